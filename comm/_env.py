@@ -1,0 +1,82 @@
+"""Every environment variable tilecomm reads, in one place.
+
+| variable                  | default   | meaning                                                        |
+|---------------------------|-----------|----------------------------------------------------------------|
+| TILECOMM_BACKEND          | auto      | "auto", "cuda" or "cpu"; `init(backend=...)` overrides it       |
+| TILECOMM_TIMEOUT_S        | 60        | seconds any device-side wait may spin before it fails          |
+| TILECOMM_HEAP_BYTES       | 256 MiB   | size of each rank's symmetric heap                             |
+| TILECOMM_WORKSPACE_BYTES  | 1/4 heap  | staging space the collectives keep on the heap                 |
+| TILECOMM_TRANSPORT        | nvlink    | GPU kernels: "nvlink" (direct loads/stores, NVSHMEM for peers  |
+|                           |           | without a mapping) or "nvshmem" (NVSHMEM device calls always); |
+|                           |           | read once at import, because kernels compile it in             |
+
+Nothing else in the package touches `os.environ`.
+"""
+from __future__ import annotations
+
+import os
+
+_MIB = 1 << 20
+
+
+def _parse_bytes(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    text = raw.strip().lower()
+    scale = 1
+    for suffix, mult in (("gib", 1 << 30), ("mib", _MIB), ("kib", 1 << 10), ("g", 1 << 30), ("m", _MIB), ("k", 1 << 10)):
+        if text.endswith(suffix):
+            text, scale = text[: -len(suffix)], mult
+            break
+    try:
+        value = int(float(text) * scale)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a byte count such as 268435456, 256MiB or 1GiB") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive byte count")
+    return value
+
+
+def backend() -> str:
+    value = os.environ.get("TILECOMM_BACKEND", "auto").strip().lower() or "auto"
+    if value not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"TILECOMM_BACKEND={value!r}: expected 'auto', 'cuda' or 'cpu'")
+    return value
+
+
+def timeout_s() -> float:
+    raw = os.environ.get("TILECOMM_TIMEOUT_S", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TILECOMM_TIMEOUT_S={raw!r}: expected a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"TILECOMM_TIMEOUT_S={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def heap_bytes() -> int:
+    return _parse_bytes("TILECOMM_HEAP_BYTES", 256 * _MIB)
+
+
+def workspace_bytes(heap: int) -> int:
+    return _parse_bytes("TILECOMM_WORKSPACE_BYTES", heap // 4)
+
+
+def transport() -> str:
+    value = os.environ.get("TILECOMM_TRANSPORT", "nvlink").strip().lower() or "nvlink"
+    if value not in ("nvlink", "nvshmem"):
+        raise ValueError(f"TILECOMM_TRANSPORT={value!r}: expected 'nvlink' or 'nvshmem'")
+    return value
+
+
+def launcher_env() -> dict:
+    """Rank variables set by torchrun, mpirun (Open MPI, MPICH/PMI) or by hand."""
+    env = os.environ
+    out = {}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if key in env:
+            out[key] = env[key]
+    out["under_mpi"] = any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE"))
+    return out

@@ -1,0 +1,193 @@
+"""Argument checks, split bookkeeping and autograd for the collectives (kernels in _exchange.py)."""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from .. import runtime
+from ..errors import require
+from ._exchange import exchange
+
+_REDUCE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3}
+
+
+class Work:
+    """Returned by `async_op=True` calls. `wait()` orders the current stream after the call."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self, timeout=None) -> bool:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        runtime.check_errors()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+def _check_group(what: str, group, world: int) -> None:
+    if group is None or group is dist.GroupMember.WORLD:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    require(list(ranks) == list(range(world)),
+            f"{what}: group={ranks}; tilecomm collectives run on the world group only (None or all {world} ranks)")
+
+
+def _check_tensor(what: str, name: str, t, device: torch.device) -> None:
+    require(isinstance(t, torch.Tensor), f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    require(t.device.type == device.type, f"{what}: {name} is on {t.device}, the runtime's tensors are on {device}")
+    require(t.is_contiguous(), f"{what}: {name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def _splits(what: str, name: str, splits: Optional[Sequence[int]], dim0: int, world: int) -> List[int]:
+    if splits is None or len(splits) == 0:
+        require(dim0 % world == 0, f"{what}: {name} is None, so dim 0 ({dim0}) must divide by the world size ({world})")
+        return [dim0 // world] * world
+    splits = [int(s) for s in splits]
+    require(len(splits) == world, f"{what}: {name} has {len(splits)} entries; expected one per rank ({world})")
+    require(all(s >= 0 for s in splits), f"{what}: {name}={splits} has a negative entry")
+    require(sum(splits) == dim0, f"{what}: {name}={splits} sums to {sum(splits)}, but the tensor's dim 0 is {dim0}")
+    return splits
+
+
+def _offsets(counts: List[int]) -> List[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def _a2a(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
+    ctx = runtime.current()
+    row = math.prod(input.shape[1:]) if input.dim() > 1 else 1
+    send = [(o * row, c * row) for o, c in zip(_offsets(in_splits), in_splits)]
+    recv = [(o * row, c * row) for o, c in zip(_offsets(out_splits), out_splits)]
+    exchange(ctx, "all_to_all_single", input.reshape(-1), send, output.view(-1), recv)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(fn_ctx, input, out_splits, in_splits, out_shape):
+        fn_ctx.splits = (out_splits, in_splits, tuple(input.shape))
+        output = input.new_empty(out_shape)
+        _a2a(output, input.contiguous(), out_splits, in_splits)
+        return output
+
+    @staticmethod
+    def backward(fn_ctx, grad):
+        out_splits, in_splits, in_shape = fn_ctx.splits
+        return _AllToAll.apply(grad.contiguous(), in_splits, out_splits, in_shape), None, None, None
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """torch.distributed.all_to_all_single on the tilecomm runtime (see the package docstring)."""
+    what = "tilecomm.all_to_all_single"
+    ctx = runtime.current()
+    _check_group(what, group, ctx.world_size)
+    _check_tensor(what, "output", output, ctx.device)
+    _check_tensor(what, "input", input, ctx.device)
+    require(output.dtype == input.dtype, f"{what}: output dtype {output.dtype} != input dtype {input.dtype}", TypeError)
+    require(output.dim() >= 1 and input.dim() >= 1 and output.shape[1:] == input.shape[1:],
+            f"{what}: output {tuple(output.shape)} and input {tuple(input.shape)} must agree past dim 0")
+    in_splits = _splits(what, "input_split_sizes", input_split_sizes, input.shape[0], ctx.world_size)
+    out_splits = _splits(what, "output_split_sizes", output_split_sizes, output.shape[0], ctx.world_size)
+    if input.requires_grad and torch.is_grad_enabled():
+        result = _AllToAll.apply(input, out_splits, in_splits, tuple(output.shape))
+        output.copy_(result)
+    else:
+        _a2a(output, input, out_splits, in_splits)
+    return Work(output) if async_op else None
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
+    ctx = runtime.current()
+    n = input.numel()
+    exchange(ctx, "all_gather_into_tensor", input.reshape(-1), [(0, n)] * ctx.world_size, output.view(-1),
+             [(p * n, n) for p in range(ctx.world_size)])
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op) -> None:
+    ctx = runtime.current()
+    n = output.numel()
+    exchange(ctx, "reduce_scatter_tensor", input.reshape(-1), [(p * n, n) for p in range(ctx.world_size)],
+             output.view(-1), [(0, n)] * ctx.world_size, reduce_op=_REDUCE_OPS[op])
+    if op == ReduceOp.AVG:
+        output.div_(ctx.world_size)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(fn_ctx, input, out_shape):
+        output = input.new_empty(out_shape)
+        _all_gather(output, input.contiguous())
+        fn_ctx.in_shape = tuple(input.shape)
+        return output
+
+    @staticmethod
+    def backward(fn_ctx, grad):
+        return _ReduceScatter.apply(grad.contiguous(), fn_ctx.in_shape), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(fn_ctx, input, out_shape):
+        output = input.new_empty(out_shape)
+        _reduce_scatter(output, input.contiguous(), ReduceOp.SUM)
+        fn_ctx.in_shape = tuple(input.shape)
+        return output
+
+    @staticmethod
+    def backward(fn_ctx, grad):
+        return _AllGather.apply(grad.contiguous(), fn_ctx.in_shape), None
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """torch.distributed.all_gather_into_tensor: output is world× input along dim 0 (or flat), rank order."""
+    what = "tilecomm.all_gather_into_tensor"
+    ctx = runtime.current()
+    _check_group(what, group, ctx.world_size)
+    _check_tensor(what, "output_tensor", output_tensor, ctx.device)
+    _check_tensor(what, "input_tensor", input_tensor, ctx.device)
+    require(output_tensor.dtype == input_tensor.dtype,
+            f"{what}: output_tensor dtype {output_tensor.dtype} != input_tensor dtype {input_tensor.dtype}", TypeError)
+    require(output_tensor.numel() == ctx.world_size * input_tensor.numel(),
+            f"{what}: output_tensor has {output_tensor.numel()} elements; expected world_size ({ctx.world_size}) × "
+            f"input_tensor's {input_tensor.numel()}")
+    if input_tensor.requires_grad and torch.is_grad_enabled():
+        output_tensor.copy_(_AllGather.apply(input_tensor, tuple(output_tensor.shape)))
+    else:
+        _all_gather(output_tensor, input_tensor)
+    return Work(output_tensor) if async_op else None
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """torch.distributed.reduce_scatter_tensor: rank r gets op over ranks of input's r-th chunk.
+
+    op: SUM, AVG, MAX, MIN or PRODUCT; floating inputs accumulate in fp32 (fp64 stays fp64)."""
+    what = "tilecomm.reduce_scatter_tensor"
+    ctx = runtime.current()
+    _check_group(what, group, ctx.world_size)
+    _check_tensor(what, "output", output, ctx.device)
+    _check_tensor(what, "input", input, ctx.device)
+    require(output.dtype == input.dtype, f"{what}: output dtype {output.dtype} != input dtype {input.dtype}", TypeError)
+    require(op in _REDUCE_OPS, f"{what}: op={op}; expected ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
+    require(output.dtype not in (torch.bool, torch.float8_e4m3fn, torch.float8_e5m2),
+            f"{what}: dtype {output.dtype} cannot be reduced; use a floating or integer dtype", TypeError)
+    require(input.numel() == ctx.world_size * output.numel(),
+            f"{what}: input has {input.numel()} elements; expected world_size ({ctx.world_size}) × output's {output.numel()}")
+    if input.requires_grad and torch.is_grad_enabled():
+        require(op == ReduceOp.SUM, f"{what}: autograd is defined for op=SUM only, got {op}")
+        output.copy_(_ReduceScatter.apply(input, tuple(output.shape)))
+    else:
+        _reduce_scatter(output, input, op)
+    return Work(output) if async_op else None

@@ -1,0 +1,104 @@
+"""`@tilecomm.jit`: one kernel source for GPUs (Triton compiler) and CPU ranks (Triton interpreter).
+
+`TileKernel` is a `triton.JITFunction`, so the Triton compiler treats it (and the
+`tilecomm.language` primitives, which are TileKernels too) like any jit function. Launching
+`kernel[grid](...)` picks the path from the runtime's backend:
+
+* cuda: the ordinary compiled launch; kernels that use NVSHMEM device calls get
+  `libnvshmem_device.bc` linked in and their module registered with NVSHMEM after compiling.
+* cpu: the Triton interpreter runs the same source, program after program, without the user
+  setting TRITON_INTERPRET. A primitive called from inside runs its CPU implementation (plain
+  `tl` operations on the shared-memory heap), and a `WaitTimeoutError` raised there reaches the
+  caller as itself, not wrapped in Triton's InterpreterError.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from triton.runtime import interpreter as _interp
+from triton.runtime.interpreter import InterpretedFunction, InterpreterError
+from triton.runtime.jit import JITFunction
+
+from . import runtime
+from .errors import TilecommError
+
+
+def _install_numpy2_index_fix() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with `int(array_of_shape_(1,))`, which
+    NumPy >= 2.4 refuses; `range(n)` over a scalar kernel argument then fails. Re-patch
+    `tensor.__index__` after Triton's own patching to take the single element explicitly."""
+    original = _interp._patch_lang_tensor
+    if getattr(original, "_tilecomm_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._tilecomm_fixed = True
+    _interp._patch_lang_tensor = patched
+
+
+_install_numpy2_index_fix()
+
+
+def _unwrap_interpreter_error(err: BaseException) -> BaseException:
+    cause = err
+    while isinstance(cause, InterpreterError) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    return cause if isinstance(cause, TilecommError) else err
+
+
+def _launch_on_cpu(args, kwargs) -> bool:
+    if runtime.is_initialized():
+        return runtime.current().backend == "cpu"
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+class TileKernel(JITFunction):
+    """A Triton jit function that also runs on CPU ranks. See the module docstring.
+
+    cpu_impl: for primitives only, the Python function the interpreter calls instead of `fn`.
+    """
+
+    def __init__(self, fn: Callable, cpu_impl: Optional[Callable] = None, **jit_kwargs):
+        super().__init__(fn, **jit_kwargs)
+        self._cpu_impl = cpu_impl
+        self._interpreted: Optional[InterpretedFunction] = None
+
+    def _interpreter(self) -> InterpretedFunction:
+        if self._interpreted is None:
+            self._interpreted = InterpretedFunction(self.fn)
+        return self._interpreted
+
+    # Reached only from inside an interpreted kernel: compiled code never calls __call__.
+    def __call__(self, *args, **kwargs):
+        if self._cpu_impl is not None:
+            return self._cpu_impl(*args, **kwargs)
+        return self._interpreter()(*args, **kwargs)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if _launch_on_cpu(args, kwargs):
+            if warmup:
+                return None
+            try:
+                return self._interpreter().run(*args, grid=grid, warmup=False, **kwargs)
+            except InterpreterError as err:
+                unwrapped = _unwrap_interpreter_error(err)
+                if unwrapped is err:
+                    raise
+                raise unwrapped.with_traceback(None) from None
+        runtime.check_errors()
+        from .language import _gpu
+
+        kwargs = _gpu.prepare_launch(kwargs)
+        return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+
+
+def jit(fn: Optional[Callable] = None, **jit_kwargs):
+    """Decorator: like `triton.jit`, and the kernel also runs on CPU ranks (see module docstring)."""
+    if fn is None:
+        return lambda f: TileKernel(f, **jit_kwargs)
+    return TileKernel(fn, **jit_kwargs)

@@ -1,0 +1,61 @@
+"""`tilecomm.language` (import as `tcl`): OpenSHMEM-style primitives for Triton kernels.
+
+Use them inside `@tilecomm.jit` kernels. Each primitive has a GPU implementation (compiled by
+Triton: NVLink loads/stores and atomics, NVSHMEM device calls for unmapped peers) and a CPU one
+(run by the Triton interpreter on the shared-memory heap); one kernel source serves both.
+
+All operations act for the whole program (one Triton program = one CUDA block):
+
+    rank() / num_ranks()            this PE and the number of PEs (int32)
+    symm_at(ptr, pe)                address of the same symmetric object on PE pe (directly mapped peers)
+    put(dst, src, nelems, pe)       copy nelems elements from local src to symmetric dst on pe
+    get(dst, src, nelems, pe)       copy nelems elements from symmetric src on pe to local dst
+    signal(sig, value, pe, op)      op SIGNAL_SET or SIGNAL_ADD on pe's signal word; release: this
+                                    program's earlier puts/stores to pe land before the signal does
+    wait(sig, value, cmp)           acquire-spin until the local word(s) at sig compare cmp to value;
+                                    returns the word (a token). Past TILECOMM_TIMEOUT_S it gives up:
+                                    on CPU it raises WaitTimeoutError, on GPU it records the error
+                                    and the host raises WaitTimeoutError at the next launch/check.
+    consume_token(x, token)         x, made dependent on token (keeps loads after the wait)
+    fence() / quiet()               order / complete this program's earlier puts
+    barrier_all()                   all PEs meet (call from one program per kernel per rank)
+
+Signal words are int64 symmetric tensors (int32 works too). Compare ops: CMP_EQ, CMP_NE, CMP_GT,
+CMP_GE, CMP_LT, CMP_LE (NVSHMEM's values).
+"""
+from __future__ import annotations
+
+import triton.language as tl
+
+from ..jit import TileKernel
+from . import _constants as _c
+from . import _cpu, _gpu
+
+SIGNAL_SET = tl.constexpr(_c.SIGNAL_SET)
+SIGNAL_ADD = tl.constexpr(_c.SIGNAL_ADD)
+CMP_EQ = tl.constexpr(_c.CMP_EQ)
+CMP_NE = tl.constexpr(_c.CMP_NE)
+CMP_GT = tl.constexpr(_c.CMP_GT)
+CMP_LE = tl.constexpr(_c.CMP_LE)
+CMP_LT = tl.constexpr(_c.CMP_LT)
+CMP_GE = tl.constexpr(_c.CMP_GE)
+
+
+def _primitive(name: str) -> TileKernel:
+    return TileKernel(getattr(_gpu, name).fn, cpu_impl=getattr(_cpu, name))
+
+
+rank = _primitive("rank")
+num_ranks = _primitive("num_ranks")
+symm_at = _primitive("symm_at")
+put = _primitive("put")
+get = _primitive("get")
+signal = _primitive("signal")
+wait = _primitive("wait")
+consume_token = _primitive("consume_token")
+fence = _primitive("fence")
+quiet = _primitive("quiet")
+barrier_all = _primitive("barrier_all")
+
+__all__ = ["rank", "num_ranks", "symm_at", "put", "get", "signal", "wait", "consume_token", "fence", "quiet",
+           "barrier_all", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE"]

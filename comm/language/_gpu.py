@@ -1,0 +1,288 @@
+"""GPU implementations of the `tilecomm.language` primitives (compiled by Triton).
+
+Device state (an int64 array in device memory, one per process, address compiled in as the
+constexpr STATE_ADDR): [0] rank, [1] world size, [2] wait timeout in ns, [3] address of the
+control words on the symmetric heap, [4] address of the error record (pinned host memory),
+[8 + pe] byte delta from this rank's heap to rank pe's heap as mapped here (0 = not mapped).
+
+Transports: with TRANSPORT_NVSHMEM false (default) a peer with a mapping is reached by plain
+loads/stores and sys-scope acquire/release atomics on its mapped address; a peer without one
+through NVSHMEM device calls from libnvshmem_device.bc. TILECOMM_TRANSPORT=nvshmem forces the
+NVSHMEM calls for every peer (so that path is tested on one node too).
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language import core
+
+from .. import _env
+
+STATE_ADDR = tl.constexpr(0)
+TRANSPORT_NVSHMEM = tl.constexpr(_env.transport() == "nvshmem")
+COPY_BLOCK = tl.constexpr(2048)
+ERR_WAIT_TIMEOUT = tl.constexpr(1)
+
+_NVSHMEM_BC = None
+
+
+def nvshmem_bitcode() -> str:
+    """Path of libnvshmem_device.bc from the nvidia-nvshmem wheel (or $NVSHMEM_HOME/lib)."""
+    global _NVSHMEM_BC
+    if _NVSHMEM_BC is None:
+        candidates = []
+        if os.environ.get("NVSHMEM_HOME"):
+            candidates.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib", "libnvshmem_device.bc"))
+        try:
+            import nvidia.nvshmem as pkg
+
+            for root in pkg.__path__:
+                candidates.append(os.path.join(root, "lib", "libnvshmem_device.bc"))
+        except ImportError:
+            pass
+        found = [c for c in candidates if os.path.exists(c)]
+        if not found:
+            raise RuntimeError(f"libnvshmem_device.bc not found (looked in {candidates}); pip install nvidia-nvshmem-cu13")
+        _NVSHMEM_BC = found[0]
+    return _NVSHMEM_BC
+
+
+def set_state_address(addr: int) -> None:
+    """Called once per process by the cuda backend, before any kernel compiles."""
+    global STATE_ADDR
+    if STATE_ADDR.value not in (0, addr):
+        raise RuntimeError("tilecomm: the GPU device-state block moved; it must live for the whole process")
+    STATE_ADDR = tl.constexpr(addr)
+
+
+def prepare_launch(kwargs: dict) -> dict:
+    kwargs = dict(kwargs)
+    libs = dict(kwargs.get("extern_libs") or {})
+    libs.setdefault("libnvshmem_device", nvshmem_bitcode())
+    kwargs["extern_libs"] = libs
+    return kwargs
+
+
+# ---- NVSHMEM device calls (int64 pointers and sizes, as in the C signatures) --------------------
+@core.extern
+def _nvshmem_ptr(ptr, pe, _semantic=None):
+    return core.extern_elementwise("libnvshmem_device", "", [ptr, pe],
+                                   {(core.dtype("int64"), core.dtype("int32")): ("nvshmem_ptr", core.dtype("int64"))},
+                                   is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def _nvshmem_putmem_block(dst, src, nbytes, pe, _semantic=None):
+    return core.extern_elementwise(
+        "libnvshmem_device", "", [dst, src, nbytes, pe],
+        {(core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")):
+         ("nvshmemx_putmem_block", core.dtype("int32"))}, is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def _nvshmem_getmem_block(dst, src, nbytes, pe, _semantic=None):
+    return core.extern_elementwise(
+        "libnvshmem_device", "", [dst, src, nbytes, pe],
+        {(core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")):
+         ("nvshmemx_getmem_block", core.dtype("int32"))}, is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def _nvshmem_signal_op(sig, value, op, pe, _semantic=None):
+    return core.extern_elementwise(
+        "libnvshmem_device", "", [sig, value, op, pe],
+        {(core.dtype("int64"), core.dtype("int64"), core.dtype("int32"), core.dtype("int32")):
+         ("nvshmemx_signal_op", core.dtype("int32"))}, is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def _nvshmem_fence(_semantic=None):
+    return core.extern_elementwise("libnvshmem_device", "", [], {(): ("nvshmem_fence", core.dtype("int32"))},
+                                   is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def _nvshmem_quiet(_semantic=None):
+    return core.extern_elementwise("libnvshmem_device", "", [], {(): ("nvshmem_quiet", core.dtype("int32"))},
+                                   is_pure=False, _semantic=_semantic)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+@triton.jit
+def _state_ptr():
+    return tl.full((), STATE_ADDR, tl.int64).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _fence_sys():
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _delta(pe):
+    return tl.load(_state_ptr() + 8 + pe)
+
+
+@triton.jit
+def _compare(cur, value, cmp: tl.constexpr):
+    if cmp == 0:
+        ok = cur == value
+    elif cmp == 1:
+        ok = cur != value
+    elif cmp == 2:
+        ok = cur > value
+    elif cmp == 3:
+        ok = cur <= value
+    elif cmp == 4:
+        ok = cur < value
+    else:
+        ok = cur >= value
+    return ok
+
+
+@triton.jit
+def _copy(dst, src, nelems):
+    for start in range(0, nelems, COPY_BLOCK):
+        offs = start + tl.arange(0, COPY_BLOCK)
+        mask = offs < nelems
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+# ---- primitives ------------------------------------------------------------------------------------
+@triton.jit
+def rank():
+    return tl.load(_state_ptr()).to(tl.int32)
+
+
+@triton.jit
+def num_ranks():
+    return tl.load(_state_ptr() + 1).to(tl.int32)
+
+
+@triton.jit
+def symm_at(ptr, pe):
+    if TRANSPORT_NVSHMEM:
+        addr = _nvshmem_ptr(ptr.to(tl.int64), pe.to(tl.int32))
+    else:
+        addr = ptr.to(tl.int64) + _delta(pe)
+    return addr.to(ptr.dtype)
+
+
+@triton.jit
+def _nbytes(ptr, nelems):
+    return tl.cast(nelems, tl.int64) * (ptr.dtype.element_ty.primitive_bitwidth // 8)
+
+
+@triton.jit
+def put(dst, src, nelems, pe):
+    delta = _delta(pe)
+    if TRANSPORT_NVSHMEM:
+        _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
+    elif delta == 0:
+        _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
+    else:
+        _copy((dst.to(tl.int64) + delta).to(dst.dtype), src, nelems)
+
+
+@triton.jit
+def get(dst, src, nelems, pe):
+    delta = _delta(pe)
+    if TRANSPORT_NVSHMEM:
+        _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
+    elif delta == 0:
+        _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
+    else:
+        _copy(dst, (src.to(tl.int64) + delta).to(src.dtype), nelems)
+
+
+@triton.jit
+def _signal_nvshmem(sig, value, pe, op: tl.constexpr):
+    _nvshmem_fence()
+    _nvshmem_signal_op(sig.to(tl.int64), tl.cast(value, tl.int64), op, tl.cast(pe, tl.int32))
+
+
+@triton.jit
+def signal(sig, value, pe, op: tl.constexpr):
+    tl.debug_barrier()  # every thread of the program has issued its stores
+    delta = _delta(pe)
+    if TRANSPORT_NVSHMEM:
+        _signal_nvshmem(sig, value, pe, op)
+    elif delta == 0:
+        _signal_nvshmem(sig, value, pe, op)
+    else:
+        target = (sig.to(tl.int64) + delta).to(sig.dtype)
+        if op == 9:
+            tl.atomic_xchg(target, tl.cast(value, sig.dtype.element_ty), sem="release", scope="sys")
+        else:
+            tl.atomic_add(target, tl.cast(value, sig.dtype.element_ty), sem="release", scope="sys")
+
+
+@triton.jit
+def wait(sig, value, cmp: tl.constexpr):
+    """Spin on the local word(s) at sig; past the timeout, record the error and return."""
+    state = _state_ptr()
+    timeout = tl.load(state + 2)
+    start = _globaltimer()
+    cur = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+    ok = _compare(cur, value, cmp).to(tl.int32)
+    while ok == 0:
+        if _globaltimer() - start > timeout:
+            err = tl.load(state + 4).to(tl.pointer_type(tl.int64))
+            if tl.atomic_cas(err, 0, ERR_WAIT_TIMEOUT, sem="relaxed", scope="sys") == 0:
+                tl.store(err + 1, tl.load(state))
+                tl.store(err + 2, sig.to(tl.int64))
+                tl.store(err + 3, tl.cast(value, tl.int64))
+                tl.store(err + 4, cur.to(tl.int64))
+            ok = tl.full((), 2, tl.int32)
+        else:
+            cur = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+            ok = _compare(cur, value, cmp).to(tl.int32)
+    tl.debug_barrier()
+    return cur
+
+
+@triton.jit
+def consume_token(x, token):
+    dep = tl.inline_asm_elementwise("and.b64 $0, $1, 0;", "=l,l", [token.to(tl.int64)], dtype=tl.int64,
+                                    is_pure=False, pack=1)
+    return x + dep
+
+
+@triton.jit
+def fence():
+    if TRANSPORT_NVSHMEM:
+        _nvshmem_fence()
+    else:
+        _fence_sys()
+
+
+@triton.jit
+def quiet():
+    tl.debug_barrier()
+    if TRANSPORT_NVSHMEM:
+        _nvshmem_quiet()
+    else:
+        _fence_sys()
+
+
+@triton.jit
+def barrier_all():
+    state = _state_ptr()
+    ctrl = tl.load(state + 3).to(tl.pointer_type(tl.int64))
+    me = tl.load(state).to(tl.int32)
+    world = tl.load(state + 1).to(tl.int32)
+    epoch = tl.load(ctrl) + 1
+    tl.debug_barrier()
+    tl.store(ctrl, epoch)
+    flags = ctrl + 8
+    for pe in range(0, world):
+        signal(flags + me, epoch, pe, 9)
+    for pe in range(0, world):
+        wait(flags + pe, epoch, 5)
