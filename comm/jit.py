@@ -43,6 +43,29 @@ def _install_numpy2_index_fix() -> None:
 _install_numpy2_index_fix()
 
 
+_INTERPRETED_HELPERS: dict = {}
+
+
+def _call_interpreted(self: JITFunction, *args, **kwargs):
+    fn = _INTERPRETED_HELPERS.get(self.fn)
+    if fn is None:
+        fn = _INTERPRETED_HELPERS[self.fn] = InterpretedFunction(self.fn)
+    return fn(*args, **kwargs)
+
+
+class _PlainJitCallsInterpreted:
+    """While an interpreted launch runs, a plain `triton.jit` function called from it (Triton's own
+    `tl.zeros`, `tl.sum`, `tl.cdiv`... or a user's helper) runs interpreted too, as it would
+    under TRITON_INTERPRET=1. Outside, JITFunction.__call__ keeps raising as usual."""
+
+    def __enter__(self):
+        self.saved = JITFunction.__call__
+        JITFunction.__call__ = _call_interpreted
+
+    def __exit__(self, *exc):
+        JITFunction.__call__ = self.saved
+
+
 def _unwrap_interpreter_error(err: BaseException) -> BaseException:
     cause = err
     while isinstance(cause, InterpreterError) and cause.__cause__ is not None:
@@ -84,7 +107,8 @@ class TileKernel(JITFunction):
             if warmup:
                 return None
             try:
-                return self._interpreter().run(*args, grid=grid, warmup=False, **kwargs)
+                with _PlainJitCallsInterpreted():
+                    return self._interpreter().run(*args, grid=grid, warmup=False, **kwargs)
             except InterpreterError as err:
                 unwrapped = _unwrap_interpreter_error(err)
                 if unwrapped is err:

@@ -5,6 +5,7 @@ One `Context` per process, made by `tilecomm.init()` and dropped by `tilecomm.fi
 from __future__ import annotations
 
 import atexit
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -37,6 +38,8 @@ class Context:
     device_state: object = None
     epoch: int = 0
     caches: dict = field(default_factory=dict)
+    allocations: dict = field(default_factory=dict)  # heap offset -> (offset, id) of live `empty` tensors
+    alloc_ids: "itertools.count" = field(default_factory=itertools.count)
 
     def next_epoch(self) -> int:
         self.epoch += 1
@@ -177,7 +180,9 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> tor
             raise PeerMismatchError(f"tilecomm.empty: ranks asked for different tensors: {seen}")
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     off = ctx.heap.alloc(nbytes)
-    return ctx.heap.view(ctx.heap.local, off, shape, dtype)
+    t = ctx.heap.view(ctx.heap.local, off, shape, dtype)
+    ctx.allocations[off] = t._tilecomm_alloc = (off, next(ctx.alloc_ids))
+    return t
 
 
 def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -191,11 +196,13 @@ def zeros(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> tor
 def free(t: torch.Tensor) -> None:
     """Collective: return a tensor from `empty` to the heap (call in the same order on every rank)."""
     ctx = current()
-    off = ctx.heap.offset_of(t)
-    if off is None or off not in ctx.heap._used:
-        raise ValueError("tilecomm.free: tensor was not returned by tilecomm.empty (or was freed already)")
+    tag = getattr(t, "_tilecomm_alloc", None)
+    if tag is None or ctx.allocations.get(tag[0]) != tag:
+        raise ValueError("tilecomm.free: pass the tensor returned by tilecomm.empty (not a view), once; "
+                         "this one was not allocated by it or was freed already")
     barrier()  # peers may still be reading or writing it
-    ctx.heap.release(off)
+    del ctx.allocations[tag[0]]
+    ctx.heap.release(tag[0])
 
 
 def peer(t: torch.Tensor, pe: int) -> torch.Tensor:

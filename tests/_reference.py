@@ -1,0 +1,34 @@
+"""Independent references for the collectives: torch ops on data gathered over gloo."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def gather_all(t: torch.Tensor) -> list:
+    """Every rank's tensor t (any shape per rank), via gloo object all-gather."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, t.cpu())
+    return out
+
+
+def all_to_all_ref(inputs: list, in_splits_all: list, rank: int) -> torch.Tensor:
+    """Rows rank receives: from each source p in order, p's rows destined to `rank`."""
+    pieces = []
+    for p, x in enumerate(inputs):
+        start = sum(in_splits_all[p][:rank])
+        pieces.append(x[start: start + in_splits_all[p][rank]])
+    return torch.cat(pieces, dim=0)
+
+
+def reduce_scatter_ref(inputs: list, rank: int, op: str) -> torch.Tensor:
+    stacked = torch.stack([x.reshape(len(inputs), -1)[rank].double() for x in inputs])
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.mean(0)
+    if op == "max":
+        return stacked.max(0).values
+    if op == "min":
+        return stacked.min(0).values
+    return stacked.prod(0)

@@ -1,0 +1,57 @@
+"""Multi-rank test harness: one pool of CPU ranks per world size, kept for the whole session.
+
+`ranks(n)` gives a `tilecomm.RankPool` of n spawned processes with tilecomm initialised on the cpu
+backend; `pool.run(fn, *args)` runs a module-level test body on every rank and returns the
+results by rank (a rank's exception is re-raised as RankError naming the rank). A pool that
+lost a rank is replaced on the next request.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+import tilecomm
+
+TEST_TIMEOUT_S = "20"  # device-side waits in tests fail after this long instead of hanging
+
+
+class _Pools:
+    def __init__(self):
+        self.pools = {}
+
+    def get(self, n: int) -> tilecomm.RankPool:
+        pool = self.pools.get(n)
+        if pool is None or not pool.alive:
+            if pool is not None:
+                pool.kill()
+            pool = tilecomm.RankPool(n, backend="cpu", env={"TILECOMM_TIMEOUT_S": TEST_TIMEOUT_S,
+                                                           "TILECOMM_HEAP_BYTES": "64MiB"}, grace_s=40)
+            self.pools[n] = pool
+        return pool
+
+    def close(self):
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    pools = _Pools()
+    yield pools.get
+    pools.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_leftovers():
+    """After the whole session, no tilecomm segment may remain in /dev/shm."""
+    before = set(glob.glob("/dev/shm/tilecomm-*"))
+    yield
+    left = set(glob.glob("/dev/shm/tilecomm-*")) - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TILECOMM_TIMEOUT_S", TEST_TIMEOUT_S)

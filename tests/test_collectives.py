@@ -1,0 +1,193 @@
+"""Collectives against independent references, on 2, 3 and 4 CPU ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tilecomm
+from _reference import all_to_all_ref, gather_all, reduce_scatter_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.float8_e4m3fn]
+
+
+def _random(shape, dtype, gen):
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-1000, 1000, shape, generator=gen, dtype=dtype)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def _poison(t):
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    if t.dtype in (torch.float8_e4m3fn,):
+        t.view(torch.uint8).fill_(0x7F)
+        return t
+    return t.fill_(-77)
+
+
+def _uneven_splits(world, gen, max_rows=7):
+    return [int(v) for v in torch.randint(0, max_rows, (world,), generator=gen)]
+
+
+def a2a_uneven(seed, dtype, hidden, symmetric):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    in_splits = _uneven_splits(world, gen)
+    all_splits = [None] * world
+    dist.all_gather_object(all_splits, in_splits)
+    out_splits = [all_splits[p][rank] for p in range(world)]
+    x = _random((sum(in_splits), hidden), dtype, gen)
+    if symmetric:  # the zero-copy path needs the same allocation on every rank
+        rows = max(sum(s) for s in all_splits)
+        buf = tilecomm.empty((rows, hidden), dtype)
+        x = buf[: x.shape[0]].copy_(x)
+    out = _poison(torch.empty((sum(out_splits), hidden), dtype=dtype))
+    tilecomm.all_to_all_single(out, x, out_splits, in_splits)
+    ref = all_to_all_ref(gather_all(x.view(torch.uint8) if dtype.itemsize == 1 else x), all_splits, rank)
+    got = out.view(torch.uint8) if dtype.itemsize == 1 else out
+    assert torch.equal(got, ref), f"rank {rank}: all_to_all_single mismatch"
+    if symmetric:
+        tilecomm.free(buf)
+    return out.shape[0]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_to_all_single_uneven(ranks, world, dtype):
+    rows = ranks(world).run(a2a_uneven, world, dtype, 5, False)
+    assert len(rows) == world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_single_symmetric_input_in_place(ranks, world):
+    ranks(world).run(a2a_uneven, 11, torch.float32, 33, True)
+
+
+def a2a_even_matches_gloo(dtype):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    x = torch.randn(world * 3, 4, 2).to(dtype)
+    out = torch.full_like(x, -5)
+    ref = torch.empty_like(x)
+    tilecomm.all_to_all_single(out, x)
+    dist.all_to_all_single(ref, x)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_to_all_single_even_splits_match_gloo(ranks, world):
+    ranks(world).run(a2a_even_matches_gloo, torch.float32)
+
+
+def a2a_autograd(seed):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    gen = torch.Generator().manual_seed(seed + rank)
+    in_splits = _uneven_splits(world, gen)
+    all_splits = [None] * world
+    dist.all_gather_object(all_splits, in_splits)
+    out_splits = [all_splits[p][rank] for p in range(world)]
+    x = torch.randn(sum(in_splits), 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(sum(out_splits), 3, generator=gen, dtype=torch.float64)
+    out = torch.empty(sum(out_splits), 3, dtype=torch.float64)
+    tilecomm.all_to_all_single(out, x, out_splits, in_splits)
+    (out * w).sum().backward()
+    # d/dx of sum(a2a(x) * w) = a2a with swapped splits applied to w
+    expect = torch.empty_like(x)
+    dist.all_to_all_single(expect, w, in_splits, out_splits)
+    assert torch.equal(x.grad, expect)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_single_autograd(ranks, world):
+    ranks(world).run(a2a_autograd, 3)
+
+
+def all_gather_body(seed, dtype, numel):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    x = _random((numel,), dtype, torch.Generator().manual_seed(seed + rank))
+    out = _poison(torch.empty(world * numel, dtype=dtype))
+    tilecomm.all_gather_into_tensor(out, x)
+    view = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)
+    ref = torch.cat([view(t) for t in gather_all(x)])
+    assert torch.equal(view(out), ref)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+def test_all_gather_into_tensor(ranks, world, dtype):
+    ranks(world).run(all_gather_body, 7, dtype, 1 + 37 * world)
+
+
+def reduce_scatter_body(seed, dtype, numel, op_name):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    op = getattr(dist.ReduceOp, {"prod": "PRODUCT"}.get(op_name, op_name.upper()))
+    gen = torch.Generator().manual_seed(seed + rank)
+    x = _random((world * numel,), dtype, gen)
+    if op_name == "prod":
+        x = (x.abs() % 3 + 1).to(dtype) if not dtype.is_floating_point else (torch.rand(world * numel, generator=gen) + 0.5).to(dtype)
+    out = _poison(torch.empty(numel, dtype=dtype))
+    tilecomm.reduce_scatter_tensor(out, x, op=op)
+    ref = reduce_scatter_ref(gather_all(x), rank, op_name)
+    if dtype.is_floating_point:
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=tol, atol=tol)
+    else:
+        assert torch.equal(out, ref.to(dtype) if op_name != "avg" else out)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_reduce_scatter_sum(ranks, world, dtype):
+    ranks(world).run(reduce_scatter_body, 5, dtype, 301, "sum")
+
+
+@pytest.mark.parametrize("op", ["avg", "max", "min", "prod"])
+def test_reduce_scatter_ops(ranks, op):
+    ranks(3).run(reduce_scatter_body, 9, torch.float32, 129, op)
+
+
+def test_reduce_scatter_int64_sum(ranks):
+    ranks(3).run(reduce_scatter_body, 2, torch.int64, 64, "sum")
+
+
+def ag_rs_autograd():
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    g = torch.empty(world * 5, dtype=torch.float64)
+    tilecomm.all_gather_into_tensor(g, x)
+    w = torch.arange(world * 5, dtype=torch.float64) * (rank + 1)
+    (g * w).sum().backward()
+    # d/dx_r = sum over ranks q of w_q[r-th chunk] = r-th chunk of arange * sum(q+1)
+    expect = torch.arange(world * 5, dtype=torch.float64)[rank * 5:(rank + 1) * 5] * sum(range(1, world + 1))
+    assert torch.allclose(x.grad, expect)
+
+
+def test_all_gather_autograd(ranks):
+    ranks(3).run(ag_rs_autograd)
+
+
+def many_calls(iters):
+    """Back-to-back collectives with fresh random sizes: staging reuse must never race."""
+    for i in range(iters):
+        a2a_uneven(1000 + i, torch.float32, 3, False)
+        all_gather_body(2000 + i, torch.float32, 1 + i % 5)
+
+
+def test_back_to_back_random_calls(ranks):
+    ranks(4).run(many_calls, 15)
+
+
+def async_op_work():
+    x = torch.randn(tilecomm.world_size() * 2)
+    out = torch.empty_like(x)
+    work = tilecomm.all_to_all_single(out, x, async_op=True)
+    assert work.wait() and work.is_completed()
+    ref = torch.empty_like(x)
+    dist.all_to_all_single(ref, x)
+    assert torch.equal(out, ref)
+
+
+def test_async_op_returns_work(ranks):
+    ranks(2).run(async_op_work)

@@ -1,0 +1,212 @@
+"""tilecomm.language primitives inside @tilecomm.jit kernels, on 2, 3 and 4 CPU ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton.language as tl
+
+import tilecomm
+import tilecomm.language as tcl
+from _reference import gather_all
+
+
+@tilecomm.jit
+def _rank_kernel(out_ptr):
+    tl.store(out_ptr, tcl.rank())
+    tl.store(out_ptr + 1, tcl.num_ranks())
+
+
+def rank_and_world():
+    out = torch.full((2,), -1, dtype=torch.int32)
+    _rank_kernel[(1,)](out)
+    assert out.tolist() == [tilecomm.rank(), tilecomm.world_size()]
+
+
+@tilecomm.jit
+def _put_ring_kernel(dst_ptr, src_ptr, sig_ptr, n, epoch):
+    """Program p puts n elements to rank (me + 1 + p) % W, slot me, then signals it."""
+    me = tcl.rank()
+    world = tcl.num_ranks()
+    pe = (me + 1 + tl.program_id(0)) % world
+    tcl.put(dst_ptr + me * n, src_ptr, n, pe)
+    tcl.signal(sig_ptr + me, epoch, pe, tcl.SIGNAL_SET)
+
+
+@tilecomm.jit
+def _wait_all_kernel(sig_ptr, epoch, world):
+    for pe in range(0, world):
+        tcl.wait(sig_ptr + pe, epoch, tcl.CMP_GE)
+
+
+def put_signal_wait(seed, dtype, n):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    dst = tilecomm.empty((world, n), dtype)
+    sig = tilecomm.zeros((world,), torch.int64)
+    dst.fill_(-3)
+    src = torch.randn(n, generator=torch.Generator().manual_seed(seed + rank)).to(dtype)
+    tilecomm.barrier()
+    for epoch in (1, 2):  # twice: epochs, not resets, separate the rounds
+        _put_ring_kernel[(world,)](dst, src, sig, n, epoch)
+        _wait_all_kernel[(1,)](sig, epoch, world)
+        tilecomm.barrier()
+    expect = torch.stack(gather_all(src))
+    assert torch.equal(dst, expect)
+    tilecomm.free(sig)
+    tilecomm.free(dst)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rank_and_num_ranks(ranks, world):
+    ranks(world).run(rank_and_world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 1), (torch.float32, 20001), (torch.bfloat16, 777), (torch.float64, 5)])
+def test_put_signal_wait(ranks, world, dtype, n):
+    ranks(world).run(put_signal_wait, 4, dtype, n)
+
+
+@tilecomm.jit
+def _get_kernel(dst_ptr, src_ptr, n):
+    me = tcl.rank()
+    world = tcl.num_ranks()
+    pe = (me + world - 1) % world
+    tcl.get(dst_ptr, src_ptr, n, pe)
+
+
+def get_from_left(n):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    src = tilecomm.empty((n,), torch.float32)
+    src.copy_(torch.randn(n))
+    tilecomm.barrier()
+    out = torch.full((n,), -1.0)
+    _get_kernel[(1,)](out, src, n)
+    assert torch.equal(out, gather_all(src)[(rank - 1) % world])
+    tilecomm.barrier()
+    tilecomm.free(src)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_get(ranks, world):
+    ranks(world).run(get_from_left, 4099)
+
+
+@tilecomm.jit
+def _symm_store_kernel(buf_ptr, BLOCK: tl.constexpr):
+    """Store straight into every peer's copy through symm_at (the NVLink-style path)."""
+    me = tcl.rank()
+    world = tcl.num_ranks()
+    offs = tl.arange(0, BLOCK)
+    for pe in range(0, world):
+        remote = tcl.symm_at(buf_ptr, pe)
+        tl.store(remote + me * BLOCK + offs, (offs + 1000 * me).to(tl.float32))
+    tcl.barrier_all()
+
+
+def symm_at_stores():
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    buf = tilecomm.zeros((world, 16), torch.float32)
+    _symm_store_kernel[(1,)](buf, BLOCK=16)
+    expect = torch.stack([torch.arange(16, dtype=torch.float32) + 1000 * p for p in range(world)])
+    assert torch.equal(buf, expect)
+    assert torch.equal(tilecomm.peer(buf, (rank + 1) % world), expect)
+    tilecomm.free(buf)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symm_at_and_barrier_all(ranks, world):
+    ranks(world).run(symm_at_stores)
+
+
+@tilecomm.jit
+def _add_kernel(sig_ptr, root):
+    tcl.signal(sig_ptr, tcl.rank() + 1, root, tcl.SIGNAL_ADD)
+
+
+@tilecomm.jit
+def _wait_cmp_kernel(sig_ptr, value, out_ptr, CMP: tl.constexpr):
+    tok = tcl.wait(sig_ptr, value, CMP)
+    tl.store(tcl.consume_token(out_ptr, tok), tok)
+
+
+def signal_add_and_compares():
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    sig = tilecomm.zeros((1,), torch.int64)
+    _add_kernel[(1,)](sig, 0)
+    tilecomm.barrier()
+    total = world * (world + 1) // 2
+    if rank == 0:
+        out = torch.zeros(1, dtype=torch.int64)
+        for cmp, value in ((tcl.CMP_EQ, total), (tcl.CMP_NE, total + 1), (tcl.CMP_GT, total - 1),
+                           (tcl.CMP_GE, total), (tcl.CMP_LT, total + 1), (tcl.CMP_LE, total)):
+            out.zero_()
+            _wait_cmp_kernel[(1,)](sig, value, out, CMP=cmp)
+            assert out.item() == total
+    tilecomm.barrier()
+    tilecomm.free(sig)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_signal_add_and_every_compare(ranks, world):
+    ranks(world).run(signal_add_and_compares)
+
+
+def wait_times_out():
+    """A wait nobody signals must raise WaitTimeoutError naming this rank and the word, in time."""
+    import time
+
+    from tilecomm.errors import WaitTimeoutError
+
+    ctx = tilecomm.current()
+    sig = tilecomm.zeros((2,), torch.int64)
+    old, ctx.timeout_s = ctx.timeout_s, 0.5
+    start = time.monotonic()
+    try:
+        _wait_cmp_kernel[(1,)](sig[1:], 1, torch.zeros(1, dtype=torch.int64), CMP=tcl.CMP_EQ)
+    except WaitTimeoutError as err:
+        elapsed = time.monotonic() - start
+        assert err.rank == ctx.rank and err.signal_addr == sig[1:].data_ptr()
+        assert f"rank {ctx.rank}" in str(err) and "heap offset" in str(err)
+        assert elapsed < 5, elapsed
+    else:
+        raise AssertionError("wait without a signal returned")
+    finally:
+        ctx.timeout_s = old
+    tilecomm.barrier()
+    tilecomm.free(sig)
+
+
+def test_wait_without_signal_times_out(ranks):
+    ranks(2).run(wait_times_out)
+
+
+def test_kernel_runs_on_cpu_without_runtime():
+    """A plain @tilecomm.jit kernel (no primitives) runs on CPU tensors with no init, no TRITON_INTERPRET."""
+
+    x = torch.randn(100)
+    y = torch.empty(100)
+    _copy_kernel[(2,)](x, y, 100, BLOCK=64)
+    assert torch.equal(x, y)
+
+
+@tilecomm.jit
+def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@tilecomm.jit
+def _stdlib_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Triton's own jit helpers (tl.zeros, tl.sum, tl.cdiv) must work on CPU ranks too."""
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(0, tl.cdiv(n, BLOCK)):
+        offs = i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr, tl.sum(acc, axis=0))
+
+
+def test_triton_stdlib_helpers_run_interpreted():
+    x = torch.randn(1000, dtype=torch.float32)
+    out = torch.zeros(1)
+    _stdlib_kernel[(1,)](x, out, 1000, BLOCK=128)
+    torch.testing.assert_close(out[0].double(), x.double().sum(), rtol=1e-5, atol=1e-5)
