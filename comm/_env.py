@@ -80,3 +80,10 @@ def launcher_env() -> dict:
             out[key] = env[key]
     out["under_mpi"] = any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE"))
     return out
+
+
+def require_nvls_off() -> None:
+    """NVLink multicast (NVLS) must stay off on shared multi-GPU hosts; refuse to start otherwise."""
+    if os.environ.get("NVSHMEM_DISABLE_NVLS", "1") != "1":
+        raise RuntimeError("tilecomm: NVSHMEM_DISABLE_NVLS must be 1 (NVLink multicast is not used and must stay off)")
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"

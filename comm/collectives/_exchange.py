@@ -63,11 +63,13 @@ def _finish_kernel(done_ptr, epoch, world):
 
 @jit
 def _record_error(err_ptr, code, a, b, c):
-    if tl.atomic_cas(err_ptr, 0, code) == 0:
+    """Fill the error record unless one is there (plain stores: on GPUs it is pinned host memory)."""
+    if tl.load(err_ptr, volatile=True) == 0:
         tl.store(err_ptr + 1, tcl.rank().to(tl.int64))
         tl.store(err_ptr + 2, tl.cast(a, tl.int64))
         tl.store(err_ptr + 3, tl.cast(b, tl.int64))
         tl.store(err_ptr + 4, tl.cast(c, tl.int64))
+        tl.store(err_ptr, code)
 
 
 @jit

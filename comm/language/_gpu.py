@@ -3,7 +3,7 @@
 Device state (an int64 array in device memory, one per process, address compiled in as the
 constexpr STATE_ADDR): [0] rank, [1] world size, [2] wait timeout in ns, [3] address of the
 control words on the symmetric heap, [4] address of the error record (pinned host memory),
-[8 + pe] byte delta from this rank's heap to rank pe's heap as mapped here (0 = not mapped).
+[5] this rank's heap base, [8 + pe] rank pe's heap base as mapped here (0 = not mapped: NVSHMEM).
 
 Transports: with TRANSPORT_NVSHMEM false (default) a peer with a mapping is reached by plain
 loads/stores and sys-scope acquire/release atomics on its mapped address; a peer without one
@@ -127,7 +127,15 @@ def _fence_sys():
 
 @triton.jit
 def _delta(pe):
-    return tl.load(_state_ptr() + 8 + pe)
+    """Byte distance from this rank's heap to pe's mapped heap; 0 where pe is not mapped."""
+    state = _state_ptr()
+    peer_base = tl.load(state + 8 + pe)
+    return tl.where(peer_base == 0, 0, peer_base - tl.load(state + 5))
+
+
+@triton.jit
+def _mapped(pe):
+    return tl.load(_state_ptr() + 8 + pe) != 0
 
 
 @triton.jit
@@ -185,7 +193,7 @@ def put(dst, src, nelems, pe):
     delta = _delta(pe)
     if TRANSPORT_NVSHMEM:
         _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
-    elif delta == 0:
+    elif not _mapped(pe):
         _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
         _copy((dst.to(tl.int64) + delta).to(dst.dtype), src, nelems)
@@ -196,7 +204,7 @@ def get(dst, src, nelems, pe):
     delta = _delta(pe)
     if TRANSPORT_NVSHMEM:
         _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
-    elif delta == 0:
+    elif not _mapped(pe):
         _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
         _copy(dst, (src.to(tl.int64) + delta).to(src.dtype), nelems)
@@ -214,7 +222,7 @@ def signal(sig, value, pe, op: tl.constexpr):
     delta = _delta(pe)
     if TRANSPORT_NVSHMEM:
         _signal_nvshmem(sig, value, pe, op)
-    elif delta == 0:
+    elif not _mapped(pe):
         _signal_nvshmem(sig, value, pe, op)
     else:
         target = (sig.to(tl.int64) + delta).to(sig.dtype)
@@ -235,11 +243,12 @@ def wait(sig, value, cmp: tl.constexpr):
     while ok == 0:
         if _globaltimer() - start > timeout:
             err = tl.load(state + 4).to(tl.pointer_type(tl.int64))
-            if tl.atomic_cas(err, 0, ERR_WAIT_TIMEOUT, sem="relaxed", scope="sys") == 0:
+            if tl.load(err, volatile=True) == 0:  # plain stores: the record is in pinned host memory
                 tl.store(err + 1, tl.load(state))
                 tl.store(err + 2, sig.to(tl.int64))
                 tl.store(err + 3, tl.cast(value, tl.int64))
                 tl.store(err + 4, cur.to(tl.int64))
+                tl.store(err, ERR_WAIT_TIMEOUT)
             ok = tl.full((), 2, tl.int32)
         else:
             cur = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
