@@ -177,7 +177,7 @@ def num_ranks():
 @triton.jit
 def symm_at(ptr, pe):
     if TRANSPORT_NVSHMEM:
-        addr = _nvshmem_ptr(ptr.to(tl.int64), pe.to(tl.int32))
+        addr = _nvshmem_ptr(ptr.to(tl.int64), tl.cast(pe, tl.int32))
     else:
         addr = ptr.to(tl.int64) + _delta(pe)
     return addr.to(ptr.dtype)

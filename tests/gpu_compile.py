@@ -1,0 +1,57 @@
+"""Compile tilecomm's GPU kernels for sm_90 on any machine (no GPU, no driver): Triton lowers them
+to PTX, links libnvshmem_device.bc and runs ptxas. Prints one JSON line per kernel with facts
+read from the PTX. Run as a script (the transport is read at import: set TILECOMM_TRANSPORT first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import test_language as lang  # noqa: E402
+from tilecomm.collectives import _exchange as ex  # noqa: E402
+from tilecomm.language import _gpu  # noqa: E402
+
+I64P, I64 = "*i64", "i64"
+CASES = [
+    (ex._stage_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "n": I64, "BLOCK": "constexpr"}, {"BLOCK": 4096}),
+    (ex._announce_kernel, {"ready_ptr": I64P, "epoch": I64, "world": "i32"}, {}),
+    (ex._finish_kernel, {"done_ptr": I64P, "epoch": I64, "world": "i32"}, {}),
+    (ex._pull_kernel, {"out_ptr": "*bf16", "heap_ptr": "*bf16", "meta_ptr": I64P, "recv_ptr": I64P, "ready_ptr": I64P,
+                       "err_ptr": I64P, "epoch": I64, "CHUNK": "constexpr", "BLOCK": "constexpr"},
+     {"CHUNK": 65536, "BLOCK": 1024}),
+    (ex._pull_reduce_kernel, {"out_ptr": "*fp32", "heap_ptr": "*fp32", "meta_ptr": I64P, "ready_ptr": I64P,
+                              "err_ptr": I64P, "epoch": I64, "n": I64, "world": "i32", "OP": "constexpr",
+                              "ACC": "constexpr", "BLOCK": "constexpr"},
+     {"OP": 0, "ACC": triton.language.float32, "BLOCK": 1024}),
+    (lang._put_ring_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "sig_ptr": I64P, "n": "i32", "epoch": I64}, {}),
+    (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
+    (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),
+    (lang._wait_cmp_kernel, {"sig_ptr": I64P, "value": I64, "out_ptr": I64P, "CMP": "constexpr"}, {"CMP": 5}),
+]
+
+
+def main() -> None:
+    _gpu.set_state_address(0x7F0000001000)
+    libs = (("libnvshmem_device", _gpu.nvshmem_bitcode()),)
+    for fn, sig, consts in CASES:
+        names = list(sig)
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"extern_libs": libs})
+        ptx = kernel.asm["ptx"]
+        print(json.dumps({
+            "kernel": fn.__name__, "cubin_bytes": len(kernel.asm["cubin"]),
+            "release_sys_atomic": "sys.release" in ptx, "acquire_sys_atomic": "sys.acquire" in ptx,
+            "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
+            "state_addr_inlined": str(0x7F0000001000) in ptx,
+        }))
+
+
+if __name__ == "__main__":
+    main()
