@@ -39,7 +39,7 @@ CASES = [
 
 def main() -> None:
     _gpu.set_state_address(0x7F0000001000)
-    libs = (("libnvshmem_device", _gpu.nvshmem_bitcode()),)
+    libs = (("libnvshmem_device", _gpu.nvshmem_bitcode(arch=90)),)
     for fn, sig, consts in CASES:
         names = list(sig)
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})

@@ -1,6 +1,7 @@
 """The examples run end to end on CPU ranks, as the README says."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,3 +22,13 @@ def _run(args, timeout=300):
 def test_custom_overlap_kernel_example(world):
     out = _run(["examples/custom_overlap_kernel.py", "--world-size", world])
     assert out.count("max rel err") == int(world), out
+
+
+@pytest.mark.parametrize("op,size", [("all_to_all", ["--rows", "16,8", "--hidden", "32"]),
+                                     ("all_gather", ["--shape", "16x32"]), ("reduce_scatter", ["--shape", "16x32"])])
+def test_bench_cli_on_cpu_ranks(tmp_path, op, size):
+    out = tmp_path / "rows.json"
+    _run(["-m", "tilecomm.bench", op, "--backend", "cpu", "--world-size", "2", "--dtype", "float32", *size,
+          "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert rows and all(r["op"] == op and r["tilecomm_us"] > 0 and r["baseline_us"] > 0 for r in rows)

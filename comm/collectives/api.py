@@ -48,6 +48,16 @@ def _check_tensor(what: str, name: str, t, device: torch.device) -> None:
     require(t.is_contiguous(), f"{what}: {name} must be contiguous (got strides {tuple(t.stride())})")
 
 
+def _check_call(what: str, group, out_name: str, out, in_name: str, inp):
+    """The checks every collective shares; returns the runtime context."""
+    ctx = runtime.current()
+    _check_group(what, group, ctx.world_size)
+    _check_tensor(what, out_name, out, ctx.device)
+    _check_tensor(what, in_name, inp, ctx.device)
+    require(out.dtype == inp.dtype, f"{what}: {out_name} dtype {out.dtype} != {in_name} dtype {inp.dtype}", TypeError)
+    return ctx
+
+
 def _splits(what: str, name: str, splits: Optional[Sequence[int]], dim0: int, world: int) -> List[int]:
     if splits is None or len(splits) == 0:
         require(dim0 % world == 0, f"{what}: {name} is None, so dim 0 ({dim0}) must divide by the world size ({world})")
@@ -92,11 +102,7 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     """torch.distributed.all_to_all_single on the tilecomm runtime (see the package docstring)."""
     what = "tilecomm.all_to_all_single"
-    ctx = runtime.current()
-    _check_group(what, group, ctx.world_size)
-    _check_tensor(what, "output", output, ctx.device)
-    _check_tensor(what, "input", input, ctx.device)
-    require(output.dtype == input.dtype, f"{what}: output dtype {output.dtype} != input dtype {input.dtype}", TypeError)
+    ctx = _check_call(what, group, "output", output, "input", input)
     require(output.dim() >= 1 and input.dim() >= 1 and output.shape[1:] == input.shape[1:],
             f"{what}: output {tuple(output.shape)} and input {tuple(input.shape)} must agree past dim 0")
     in_splits = _splits(what, "input_split_sizes", input_split_sizes, input.shape[0], ctx.world_size)
@@ -154,12 +160,7 @@ class _ReduceScatter(torch.autograd.Function):
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     """torch.distributed.all_gather_into_tensor: output is world× input along dim 0 (or flat), rank order."""
     what = "tilecomm.all_gather_into_tensor"
-    ctx = runtime.current()
-    _check_group(what, group, ctx.world_size)
-    _check_tensor(what, "output_tensor", output_tensor, ctx.device)
-    _check_tensor(what, "input_tensor", input_tensor, ctx.device)
-    require(output_tensor.dtype == input_tensor.dtype,
-            f"{what}: output_tensor dtype {output_tensor.dtype} != input_tensor dtype {input_tensor.dtype}", TypeError)
+    ctx = _check_call(what, group, "output_tensor", output_tensor, "input_tensor", input_tensor)
     require(output_tensor.numel() == ctx.world_size * input_tensor.numel(),
             f"{what}: output_tensor has {output_tensor.numel()} elements; expected world_size ({ctx.world_size}) × "
             f"input_tensor's {input_tensor.numel()}")
@@ -175,11 +176,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
     op: SUM, AVG, MAX, MIN or PRODUCT; floating inputs accumulate in fp32 (fp64 stays fp64)."""
     what = "tilecomm.reduce_scatter_tensor"
-    ctx = runtime.current()
-    _check_group(what, group, ctx.world_size)
-    _check_tensor(what, "output", output, ctx.device)
-    _check_tensor(what, "input", input, ctx.device)
-    require(output.dtype == input.dtype, f"{what}: output dtype {output.dtype} != input dtype {input.dtype}", TypeError)
+    ctx = _check_call(what, group, "output", output, "input", input)
     require(op in _REDUCE_OPS, f"{what}: op={op}; expected ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
     require(output.dtype not in (torch.bool, torch.float8_e4m3fn, torch.float8_e5m2),
             f"{what}: dtype {output.dtype} cannot be reduced; use a floating or integer dtype", TypeError)

@@ -25,28 +25,36 @@ TRANSPORT_NVSHMEM = tl.constexpr(_env.transport() == "nvshmem")
 COPY_BLOCK = tl.constexpr(2048)
 ERR_WAIT_TIMEOUT = tl.constexpr(1)
 
-_NVSHMEM_BC = None
+_NVSHMEM_BC: dict = {}
 
 
-def nvshmem_bitcode() -> str:
-    """Path of libnvshmem_device.bc from the nvidia-nvshmem wheel (or $NVSHMEM_HOME/lib)."""
-    global _NVSHMEM_BC
-    if _NVSHMEM_BC is None:
-        candidates = []
+def nvshmem_bitcode(arch: int | None = None) -> str:
+    """Path of NVSHMEM's device bitcode: `libnvshmem_device.bc` (NVSHMEM 3.4) or, in later wheels,
+    `libnvshmem_device_sm_<arch>.bc`; from the nvidia-nvshmem wheel or $NVSHMEM_HOME/lib.
+    arch: compute capability as 90 for sm_90; default: the current GPU's, else 90."""
+    if arch is None:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+        arch = 10 * major + minor
+    if arch not in _NVSHMEM_BC:
+        roots = []
         if os.environ.get("NVSHMEM_HOME"):
-            candidates.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib", "libnvshmem_device.bc"))
+            roots.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib"))
         try:
             import nvidia.nvshmem as pkg
 
-            for root in pkg.__path__:
-                candidates.append(os.path.join(root, "lib", "libnvshmem_device.bc"))
+            roots += [os.path.join(root, "lib") for root in pkg.__path__]
         except ImportError:
             pass
+        names = ("libnvshmem_device.bc", f"libnvshmem_device_sm_{arch}.bc")
+        candidates = [os.path.join(root, name) for root in roots for name in names]
         found = [c for c in candidates if os.path.exists(c)]
         if not found:
-            raise RuntimeError(f"libnvshmem_device.bc not found (looked in {candidates}); pip install nvidia-nvshmem-cu13")
-        _NVSHMEM_BC = found[0]
-    return _NVSHMEM_BC
+            raise RuntimeError(f"NVSHMEM device bitcode not found (looked for {names} in {roots or 'no NVSHMEM install'}); "
+                               "pip install nvidia-nvshmem-cu13")
+        _NVSHMEM_BC[arch] = found[0]
+    return _NVSHMEM_BC[arch]
 
 
 def set_state_address(addr: int) -> None:
@@ -73,20 +81,21 @@ def _nvshmem_ptr(ptr, pe, _semantic=None):
                                    is_pure=False, _semantic=_semantic)
 
 
-@core.extern
-def _nvshmem_putmem_block(dst, src, nbytes, pe, _semantic=None):
-    return core.extern_elementwise(
-        "libnvshmem_device", "", [dst, src, nbytes, pe],
-        {(core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")):
-         ("nvshmemx_putmem_block", core.dtype("int32"))}, is_pure=False, _semantic=_semantic)
+def _rma_block(symbol: str):
+    """Declare NVSHMEM's block-scoped RMA call `symbol(dst, src, nbytes, pe)` (int64 pointers/sizes)."""
+
+    @core.extern
+    def call(dst, src, nbytes, pe, _semantic=None):
+        return core.extern_elementwise(
+            "libnvshmem_device", "", [dst, src, nbytes, pe],
+            {(core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")):
+             (symbol, core.dtype("int32"))}, is_pure=False, _semantic=_semantic)
+
+    return call
 
 
-@core.extern
-def _nvshmem_getmem_block(dst, src, nbytes, pe, _semantic=None):
-    return core.extern_elementwise(
-        "libnvshmem_device", "", [dst, src, nbytes, pe],
-        {(core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")):
-         ("nvshmemx_getmem_block", core.dtype("int32"))}, is_pure=False, _semantic=_semantic)
+_nvshmem_putmem_block = _rma_block("nvshmemx_putmem_block")
+_nvshmem_getmem_block = _rma_block("nvshmemx_getmem_block")
 
 
 @core.extern
