@@ -4,6 +4,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import tilecomm
+
+
+def dev() -> torch.device:
+    """Where the running backend keeps its tensors (cpu ranks, or this rank's GPU)."""
+    return tilecomm.current().device
+
 
 def gather_all(t: torch.Tensor) -> list:
     """Every rank's tensor t (any shape per rank), via gloo object all-gather."""

@@ -1,7 +1,8 @@
-"""Multi-rank test harness: one pool of CPU ranks per world size, kept for the whole session.
+"""Multi-rank test harness: one pool of ranks per world size, kept for the whole session.
 
-`ranks(n)` gives a `tilecomm.RankPool` of n spawned processes with tilecomm initialised on the cpu
-backend; `pool.run(fn, *args)` runs a module-level test body on every rank and returns the
+`ranks(n)` gives a `tilecomm.RankPool` of n spawned processes with tilecomm initialised on the
+backend named by TILECOMM_TEST_BACKEND ("cpu" by default; "cuda" on a GPU machine runs the same
+test bodies on GPU ranks, one per GPU, skipping world sizes larger than the GPU count); `pool.run(fn, *args)` runs a module-level test body on every rank and returns the
 results by rank (a rank's exception is re-raised as RankError naming the rank). A pool that
 lost a rank is replaced on the next request.
 """
@@ -14,7 +15,8 @@ import pytest
 
 import tilecomm
 
-TEST_TIMEOUT_S = "20"  # device-side waits in tests fail after this long instead of hanging
+TEST_TIMEOUT_S = "20"
+BACKEND = os.environ.get("TILECOMM_TEST_BACKEND", "cpu")  # device-side waits in tests fail after this long instead of hanging
 
 
 class _Pools:
@@ -22,11 +24,16 @@ class _Pools:
         self.pools = {}
 
     def get(self, n: int) -> tilecomm.RankPool:
+        if BACKEND == "cuda":
+            import torch
+
+            if n > torch.cuda.device_count():
+                pytest.skip(f"{n} ranks need {n} GPUs; this machine has {torch.cuda.device_count()}")
         pool = self.pools.get(n)
         if pool is None or not pool.alive:
             if pool is not None:
                 pool.kill()
-            pool = tilecomm.RankPool(n, backend="cpu", env={"TILECOMM_TIMEOUT_S": TEST_TIMEOUT_S,
+            pool = tilecomm.RankPool(n, backend=BACKEND, env={"TILECOMM_TIMEOUT_S": TEST_TIMEOUT_S,
                                                            "TILECOMM_HEAP_BYTES": "64MiB"}, grace_s=40)
             self.pools[n] = pool
         return pool

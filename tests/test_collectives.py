@@ -6,17 +6,17 @@ import torch
 import torch.distributed as dist
 
 import tilecomm
-from _reference import all_to_all_ref, gather_all, reduce_scatter_ref
+from _reference import all_to_all_ref, dev, gather_all, reduce_scatter_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.float8_e4m3fn]
 
 
 def _random(shape, dtype, gen):
     if dtype == torch.bool:
-        return torch.rand(shape, generator=gen) > 0.5
+        return torch.rand(shape, generator=gen).to(dev()) > 0.5
     if not dtype.is_floating_point:
-        return torch.randint(-1000, 1000, shape, generator=gen, dtype=dtype)
-    return torch.randn(shape, generator=gen).to(dtype)
+        return torch.randint(-1000, 1000, shape, generator=gen, dtype=dtype).to(dev())
+    return torch.randn(shape, generator=gen).to(dev()).to(dtype)
 
 
 def _poison(t):
@@ -44,11 +44,11 @@ def a2a_uneven(seed, dtype, hidden, symmetric):
         rows = max(sum(s) for s in all_splits)
         buf = tilecomm.empty((rows, hidden), dtype)
         x = buf[: x.shape[0]].copy_(x)
-    out = _poison(torch.empty((sum(out_splits), hidden), dtype=dtype))
+    out = _poison(torch.empty((sum(out_splits), hidden), dtype=dtype, device=dev()))
     tilecomm.all_to_all_single(out, x, out_splits, in_splits)
     ref = all_to_all_ref(gather_all(x.view(torch.uint8) if dtype.itemsize == 1 else x), all_splits, rank)
     got = out.view(torch.uint8) if dtype.itemsize == 1 else out
-    assert torch.equal(got, ref), f"rank {rank}: all_to_all_single mismatch"
+    assert torch.equal(got.cpu(), ref), f"rank {rank}: all_to_all_single mismatch"
     if symmetric:
         tilecomm.free(buf)
     return out.shape[0]
@@ -68,7 +68,7 @@ def test_all_to_all_single_symmetric_input_in_place(ranks, world):
 
 def a2a_even_matches_gloo(dtype):
     rank, world = tilecomm.rank(), tilecomm.world_size()
-    x = torch.randn(world * 3, 4, 2).to(dtype)
+    x = torch.randn(world * 3, 4, 2, device=dev()).to(dtype)
     out = torch.full_like(x, -5)
     ref = torch.empty_like(x)
     tilecomm.all_to_all_single(out, x)
@@ -88,9 +88,9 @@ def a2a_autograd(seed):
     all_splits = [None] * world
     dist.all_gather_object(all_splits, in_splits)
     out_splits = [all_splits[p][rank] for p in range(world)]
-    x = torch.randn(sum(in_splits), 3, generator=gen, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(sum(out_splits), 3, generator=gen, dtype=torch.float64)
-    out = torch.empty(sum(out_splits), 3, dtype=torch.float64)
+    x = torch.randn(sum(in_splits), 3, generator=gen, dtype=torch.float64).to(dev()).requires_grad_()
+    w = torch.randn(sum(out_splits), 3, generator=gen, dtype=torch.float64).to(dev())
+    out = torch.empty(sum(out_splits), 3, dtype=torch.float64, device=dev())
     tilecomm.all_to_all_single(out, x, out_splits, in_splits)
     (out * w).sum().backward()
     # d/dx of sum(a2a(x) * w) = a2a with swapped splits applied to w
@@ -107,11 +107,11 @@ def test_all_to_all_single_autograd(ranks, world):
 def all_gather_body(seed, dtype, numel):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     x = _random((numel,), dtype, torch.Generator().manual_seed(seed + rank))
-    out = _poison(torch.empty(world * numel, dtype=dtype))
+    out = _poison(torch.empty(world * numel, dtype=dtype, device=dev()))
     tilecomm.all_gather_into_tensor(out, x)
     view = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)
     ref = torch.cat([view(t) for t in gather_all(x)])
-    assert torch.equal(view(out), ref)
+    assert torch.equal(view(out).cpu(), ref)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -126,15 +126,15 @@ def reduce_scatter_body(seed, dtype, numel, op_name):
     gen = torch.Generator().manual_seed(seed + rank)
     x = _random((world * numel,), dtype, gen)
     if op_name == "prod":
-        x = (x.abs() % 3 + 1).to(dtype) if not dtype.is_floating_point else (torch.rand(world * numel, generator=gen) + 0.5).to(dtype)
-    out = _poison(torch.empty(numel, dtype=dtype))
+        x = (x.abs() % 3 + 1).to(dtype) if not dtype.is_floating_point else (torch.rand(world * numel, generator=gen).to(dev()) + 0.5).to(dtype)
+    out = _poison(torch.empty(numel, dtype=dtype, device=dev()))
     tilecomm.reduce_scatter_tensor(out, x, op=op)
     ref = reduce_scatter_ref(gather_all(x), rank, op_name)
     if dtype.is_floating_point:
         tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
-        torch.testing.assert_close(out.double(), ref.to(dtype).double(), rtol=tol, atol=tol)
+        torch.testing.assert_close(out.double().cpu(), ref.to(dtype).double(), rtol=tol, atol=tol)
     else:
-        assert torch.equal(out, ref.to(dtype) if op_name != "avg" else out)
+        assert torch.equal(out.cpu(), ref.to(dtype))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -154,13 +154,13 @@ def test_reduce_scatter_int64_sum(ranks):
 
 def ag_rs_autograd():
     rank, world = tilecomm.rank(), tilecomm.world_size()
-    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    g = torch.empty(world * 5, dtype=torch.float64)
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True, device=dev())
+    g = torch.empty(world * 5, dtype=torch.float64, device=dev())
     tilecomm.all_gather_into_tensor(g, x)
-    w = torch.arange(world * 5, dtype=torch.float64) * (rank + 1)
+    w = torch.arange(world * 5, dtype=torch.float64, device=dev()) * (rank + 1)
     (g * w).sum().backward()
     # d/dx_r = sum over ranks q of w_q[r-th chunk] = r-th chunk of arange * sum(q+1)
-    expect = torch.arange(world * 5, dtype=torch.float64)[rank * 5:(rank + 1) * 5] * sum(range(1, world + 1))
+    expect = torch.arange(world * 5, dtype=torch.float64, device=dev())[rank * 5:(rank + 1) * 5] * sum(range(1, world + 1))
     assert torch.allclose(x.grad, expect)
 
 
@@ -180,7 +180,7 @@ def test_back_to_back_random_calls(ranks):
 
 
 def async_op_work():
-    x = torch.randn(tilecomm.world_size() * 2)
+    x = torch.randn(tilecomm.world_size() * 2, device=dev())
     out = torch.empty_like(x)
     work = tilecomm.all_to_all_single(out, x, async_op=True)
     assert work.wait() and work.is_completed()

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import glob
-import re
 import os
+import re
 import signal
 import time
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import tilecomm
 from tilecomm.errors import NotInitializedError, PeerMismatchError
+from _reference import dev
 from tilecomm.spawn import RankError
 
 
@@ -38,25 +39,25 @@ def _expect(exc, pattern, fn, *args, **kwargs):
 def bad_inputs():
     world = tilecomm.world_size()
     a2a, ag, rs = tilecomm.all_to_all_single, tilecomm.all_gather_into_tensor, tilecomm.reduce_scatter_tensor
-    x = torch.randn(world * 2, 3)
+    x = torch.randn(world * 2, 3, device=dev())
     out = torch.empty_like(x)
     _expect(ValueError, "input_split_sizes.*sums to", a2a, out, x, None, [1] * world)
     _expect(ValueError, "output_split_sizes.*one per rank", a2a, out, x, [2] * (world + 1), None)
     _expect(ValueError, "negative", a2a, out, x, None, [-1, 2 * world + 1] + [0] * (world - 2))
     _expect(TypeError, "dtype", a2a, out.double(), x)
-    _expect(ValueError, "input must be contiguous", a2a, out, torch.randn(3, world * 2).t())
+    _expect(ValueError, "input must be contiguous", a2a, out, torch.randn(3, world * 2, device=dev()).t())
     _expect(TypeError, "torch.Tensor", a2a, out, [1, 2])
-    _expect(ValueError, "agree past dim 0", a2a, torch.empty(world * 2, 4), x)
-    _expect(ValueError, "must divide by the world size", a2a, torch.empty(world * 2 + 1, 3), torch.empty(world * 2 + 1, 3))
-    _expect(ValueError, "expected world_size", ag, torch.empty(world * 5), torch.empty(4))
-    _expect(ValueError, "expected world_size", rs, torch.empty(3), torch.empty(world * 4))
-    _expect(TypeError, "cannot be reduced", rs, torch.empty(2, dtype=torch.bool), torch.empty(world * 2, dtype=torch.bool))
+    _expect(ValueError, "agree past dim 0", a2a, torch.empty(world * 2, 4, device=dev()), x)
+    _expect(ValueError, "must divide by the world size", a2a, torch.empty(world * 2 + 1, 3, device=dev()), torch.empty(world * 2 + 1, 3, device=dev()))
+    _expect(ValueError, "expected world_size", ag, torch.empty(world * 5, device=dev()), torch.empty(4, device=dev()))
+    _expect(ValueError, "expected world_size", rs, torch.empty(3, device=dev()), torch.empty(world * 4, device=dev()))
+    _expect(TypeError, "cannot be reduced", rs, torch.empty(2, dtype=torch.bool, device=dev()), torch.empty(world * 2, dtype=torch.bool, device=dev()))
     sub = dist.new_group([0])
     _expect(ValueError, "world group only", a2a, out, x, group=sub)
     _expect(ValueError, "pe=", tilecomm.peer, tilecomm.empty((2,)), world)
-    _expect(ValueError, "not on the symmetric heap", tilecomm.peer, torch.empty(2), 0)
+    _expect(ValueError, "not on the symmetric heap", tilecomm.peer, torch.empty(2, device=dev()), 0)
     _expect(ValueError, "shape=", tilecomm.empty, (-1, 2))
-    _expect(MemoryError, "staging workspace", a2a, torch.empty(world * (1 << 21) * 3), torch.empty(world * (1 << 21) * 3))
+    _expect(MemoryError, "staging workspace", a2a, torch.empty(world * (1 << 21) * 3, device=dev()), torch.empty(world * (1 << 21) * 3, device=dev()))
     _expect(MemoryError, "heap exhausted", tilecomm.empty, (1 << 40,), torch.uint8)
     # nothing above launched a kernel, so the ranks are still in step:
     ref = torch.empty_like(x)
@@ -83,7 +84,7 @@ def split_disagreement():
     rank = tilecomm.rank()
     in_splits = [2, 2] if rank == 0 else [2, 2]
     out_splits = [2, 2] if rank == 0 else [3, 1]
-    x, out = torch.randn(4, 2), torch.empty(4, 2)
+    x, out = torch.randn(4, 2, device=dev()), torch.empty(4, 2, device=dev())
     try:
         tilecomm.all_to_all_single(out, x, out_splits, in_splits)
     except PeerMismatchError as err:
@@ -100,8 +101,8 @@ def test_split_sizes_that_disagree_across_ranks(ranks):
 def raise_on_one_rank():
     if tilecomm.rank() == 1:
         raise ValueError("rank 1 gives up before the collective")
-    x = torch.randn(4)
-    tilecomm.all_to_all_single(torch.empty(4), x)
+    x = torch.randn(4, device=dev())
+    tilecomm.all_to_all_single(torch.empty(4, device=dev()), x)
 
 
 def test_a_failing_rank_does_not_hang_the_others():

@@ -7,7 +7,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from _reference import gather_all
+from _reference import dev, gather_all
 
 
 @tilecomm.jit
@@ -17,7 +17,7 @@ def _rank_kernel(out_ptr):
 
 
 def rank_and_world():
-    out = torch.full((2,), -1, dtype=torch.int32)
+    out = torch.full((2,), -1, dtype=torch.int32, device=dev())
     _rank_kernel[(1,)](out)
     assert out.tolist() == [tilecomm.rank(), tilecomm.world_size()]
 
@@ -43,14 +43,14 @@ def put_signal_wait(seed, dtype, n):
     dst = tilecomm.empty((world, n), dtype)
     sig = tilecomm.zeros((world,), torch.int64)
     dst.fill_(-3)
-    src = torch.randn(n, generator=torch.Generator().manual_seed(seed + rank)).to(dtype)
+    src = torch.randn(n, generator=torch.Generator().manual_seed(seed + rank)).to(dev()).to(dtype)
     tilecomm.barrier()
     for epoch in (1, 2):  # twice: epochs, not resets, separate the rounds
         _put_ring_kernel[(world,)](dst, src, sig, n, epoch)
         _wait_all_kernel[(1,)](sig, epoch, world)
         tilecomm.barrier()
     expect = torch.stack(gather_all(src))
-    assert torch.equal(dst, expect)
+    assert torch.equal(dst.cpu(), expect)
     tilecomm.free(sig)
     tilecomm.free(dst)
 
@@ -77,11 +77,11 @@ def _get_kernel(dst_ptr, src_ptr, n):
 def get_from_left(n):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     src = tilecomm.empty((n,), torch.float32)
-    src.copy_(torch.randn(n))
+    src.copy_(torch.randn(n, device=dev()))
     tilecomm.barrier()
-    out = torch.full((n,), -1.0)
+    out = torch.full((n,), -1.0, device=dev())
     _get_kernel[(1,)](out, src, n)
-    assert torch.equal(out, gather_all(src)[(rank - 1) % world])
+    assert torch.equal(out.cpu(), gather_all(src)[(rank - 1) % world])
     tilecomm.barrier()
     tilecomm.free(src)
 
@@ -107,7 +107,7 @@ def symm_at_stores():
     rank, world = tilecomm.rank(), tilecomm.world_size()
     buf = tilecomm.zeros((world, 16), torch.float32)
     _symm_store_kernel[(1,)](buf, BLOCK=16)
-    expect = torch.stack([torch.arange(16, dtype=torch.float32) + 1000 * p for p in range(world)])
+    expect = torch.stack([torch.arange(16, dtype=torch.float32, device=dev()) + 1000 * p for p in range(world)])
     assert torch.equal(buf, expect)
     assert torch.equal(tilecomm.peer(buf, (rank + 1) % world), expect)
     tilecomm.free(buf)
@@ -136,7 +136,7 @@ def signal_add_and_compares():
     tilecomm.barrier()
     total = world * (world + 1) // 2
     if rank == 0:
-        out = torch.zeros(1, dtype=torch.int64)
+        out = torch.zeros(1, dtype=torch.int64, device=dev())
         for cmp, value in ((tcl.CMP_EQ, total), (tcl.CMP_NE, total + 1), (tcl.CMP_GT, total - 1),
                            (tcl.CMP_GE, total), (tcl.CMP_LT, total + 1), (tcl.CMP_LE, total)):
             out.zero_()
@@ -162,7 +162,7 @@ def wait_times_out():
     old, ctx.timeout_s = ctx.timeout_s, 0.5
     start = time.monotonic()
     try:
-        _wait_cmp_kernel[(1,)](sig[1:], 1, torch.zeros(1, dtype=torch.int64), CMP=tcl.CMP_EQ)
+        _wait_cmp_kernel[(1,)](sig[1:], 1, torch.zeros(1, dtype=torch.int64, device=dev()), CMP=tcl.CMP_EQ)
     except WaitTimeoutError as err:
         elapsed = time.monotonic() - start
         assert err.rank == ctx.rank and err.signal_addr == sig[1:].data_ptr()
