@@ -1,3 +1,11 @@
-"""tilecomm.dispatch: MoE token dispatch/combine on tilecomm.language. Not built yet: see the
-project's dispatch issue. Importing it is safe; it exports nothing so far."""
-__all__: list = []
+"""tilecomm.dispatch: MoE token dispatch and combine that replace NCCL all-to-all.
+
+`Dispatcher` (dispatcher.py) is the API; `compute_layout` / `layout_reference` (layout.py) the routing
+layout; `DispatchResult` / `DispatchHandle` (handle.py) what calls return. backend="nccl" is the torch
+reference (permute + torch.distributed.all_to_all_single + unpermute) and a drop-in fallback.
+"""
+from .dispatcher import Dispatcher
+from .handle import DispatchHandle, DispatchResult
+from .layout import Layout, compute_layout, layout_reference
+
+__all__ = ["Dispatcher", "DispatchHandle", "DispatchResult", "Layout", "compute_layout", "layout_reference"]

@@ -191,7 +191,7 @@ def exchange(ctx, what: str, src: torch.Tensor, send_table: Sequence[Tuple[int, 
     move = _AS_BITS.get(src.dtype, src.dtype)
     src, out = src.view(move), out.view(move)
     elem = src.element_size()
-    base = heap.offset_of(src)
+    base = heap.offset_of(src) if src.numel() else 0  # nothing to offer: any offset will do
     if base is None:
         require(src.numel() * elem <= ws.send.numel(), f"{what}: input is {src.numel() * elem} bytes, more than the "
                 f"{ws.send.numel()}-byte staging workspace; raise TILECOMM_WORKSPACE_BYTES (or TILECOMM_HEAP_BYTES), "

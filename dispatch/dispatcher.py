@@ -1,0 +1,132 @@
+"""`Dispatcher`: MoE token dispatch and combine across the ranks of a group (autograd-aware).
+
+    d = Dispatcher(num_experts=8, hidden=1024, max_tokens_per_rank=4096, topk=2, dtype=torch.bfloat16)
+    res = d.dispatch(x, topk_idx, topk_weights)   # x [T, H]; topk_idx [T, K] (-1 = none); weights [T, K]
+    y = experts(res.x, res.tokens_per_expert)     # res.x [R, H], expert-major
+    out = d.combine(y, res.handle)                # out[t] = sum_k topk_weights[t, k] * y[row(t, k)]
+
+Experts are split evenly: rank r owns experts r*E/W ... (r+1)*E/W - 1. `res.x` rows are ordered by
+local expert, then source rank, then source token index (bit-for-bit deterministic). Both calls are
+differentiable: dispatch's backward is a combine of the gradients (and returns each row's weight
+gradient to its token), combine's backward is a dispatch; `topk_weights` gets its gradient
+through `res.weights`, which combine uses.
+
+Streams: every call runs on the current stream and returns after queuing its kernels, except for one
+host synchronisation in dispatch (the per-rank token counts decide the buffer sizes). The handle may
+be used by any number of combines; buffers are per call.
+
+backend: "tilecomm" (the runtime's kernels and collectives; the world group) or "nccl" (torch ops and
+torch.distributed.all_to_all_single on `group`: the reference implementation, and a drop-in
+fallback). mode: "normal". The low-latency mode (fixed capacity, no host sync) is not built yet.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import tilecomm
+
+from . import engine
+from .handle import DispatchHandle, DispatchResult
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, be, handle):
+        ctx.be, ctx.handle = be, handle
+        return engine.dispatch_rows(be, handle, x), engine.dispatch_pairs(be, handle, topk_weights)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights):
+        be, h = ctx.be, ctx.handle
+        grad_x = engine.combine_rows(be, h, grad_rows.contiguous(), None) if ctx.needs_input_grad[0] else None
+        grad_w = engine.return_pairs(be, h, grad_weights) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, row_weights, be, handle):
+        ctx.be, ctx.handle = be, handle
+        ctx.save_for_backward(y, row_weights)
+        return engine.combine_rows(be, handle, y, row_weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        be, h = ctx.be, ctx.handle
+        y, row_weights = ctx.saved_tensors
+        grad_rows = engine.dispatch_rows(be, h, grad_out.contiguous())
+        acc = torch.promote_types(y.dtype, torch.float32)
+        grad_y = (grad_rows.to(acc) * row_weights.to(acc)[:, None]).to(y.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (grad_rows.to(acc) * y.to(acc)).sum(-1).float() if ctx.needs_input_grad[1] else None
+        return grad_y, grad_w, None, None
+
+
+class Dispatcher:
+    """See the module docstring. Arguments are checked on every call, before any kernel runs."""
+
+    def __init__(self, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, group=None, mode: str = "normal", backend: str = "tilecomm"):
+        if mode != "normal":
+            raise ValueError(f"Dispatcher: mode={mode!r}; only 'normal' is available in this version "
+                             "(the low-latency mode is not built yet)")
+        for name, value in (("num_experts", num_experts), ("hidden", hidden),
+                            ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Dispatcher: {name}={value!r}; expected a positive int")
+        if backend == "tilecomm":
+            ctx = tilecomm.current()
+            if group is not None and dist.get_process_group_ranks(group) != list(range(ctx.world_size)):
+                raise ValueError("Dispatcher(backend='tilecomm'): group must be None or the world group")
+            self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, ctx.device
+        else:
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+            self.device = None
+        if num_experts % self.world_size:
+            raise ValueError(f"Dispatcher: num_experts={num_experts} must divide by the group size ({self.world_size})")
+        if topk > num_experts:
+            raise ValueError(f"Dispatcher: topk={topk} > num_experts={num_experts}")
+        self.num_experts, self.hidden, self.max_tokens, self.topk, self.dtype = num_experts, hidden, max_tokens_per_rank, topk, dtype
+        self.num_local_experts = num_experts // self.world_size
+        self.mode, self.backend = mode, backend
+        self._be = engine.make_backend(backend, group)
+
+    def _check(self, x, topk_idx, topk_weights) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"dispatch: x must be [num_tokens, hidden={self.hidden}], got {getattr(x, 'shape', type(x))}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"dispatch: x dtype {x.dtype}; this Dispatcher was made for {self.dtype}")
+        if self.device is not None and x.device.type != self.device.type:
+            raise ValueError(f"dispatch: x is on {x.device}; the tilecomm runtime's tensors are on {self.device}")
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"dispatch: {T} tokens > max_tokens_per_rank={self.max_tokens}")
+        if not isinstance(topk_idx, torch.Tensor) or tuple(topk_idx.shape) != (T, self.topk):
+            raise ValueError(f"dispatch: topk_idx must be [num_tokens={T}, topk={self.topk}], got {getattr(topk_idx, 'shape', None)}")
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"dispatch: topk_idx must be int32 or int64, got {topk_idx.dtype}")
+        if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (T, self.topk):
+            raise ValueError(f"dispatch: topk_weights must be [num_tokens={T}, topk={self.topk}], got {getattr(topk_weights, 'shape', None)}")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"dispatch: topk_weights must be floating point, got {topk_weights.dtype}")
+        if topk_idx.numel():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= self.num_experts:
+                raise ValueError(f"dispatch: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        """x [T, H] (dtype), topk_idx [T, K] int (-1 = none), topk_weights [T, K] float -> DispatchResult."""
+        self._check(x, topk_idx, topk_weights)
+        handle = engine.plan(self._be, topk_idx, self.num_experts, self.rank, self.world_size, self.hidden)
+        rows, weights = _Dispatch.apply(x, topk_weights, self._be, handle)
+        handle.row_weights = weights
+        return DispatchResult(rows, weights, handle.tokens_per_expert, handle)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """y [R, H] (rows in res.x's order) -> out [T, H] = sum_k topk_weights[t, k] * y[row(t, k)]."""
+        if not isinstance(handle, DispatchHandle) or handle.backend != self.backend:
+            raise ValueError("combine: handle must be the DispatchHandle this Dispatcher's dispatch returned")
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
+            raise ValueError(f"combine: y must be [{handle.num_recv_rows}, {handle.hidden}] (the rows of this "
+                             f"dispatch), got {getattr(y, 'shape', type(y))}")
+        return _Combine.apply(y, handle.row_weights, self._be, handle)

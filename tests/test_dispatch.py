@@ -1,0 +1,196 @@
+"""Dispatcher against an independent global reference, on 2, 3 and 4 CPU ranks, both backends."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tilecomm
+from _reference import dev
+from tilecomm.dispatch import Dispatcher, compute_layout, layout_reference
+
+
+def _routing(T, K, E, gen, drop=0.2, only_expert=None):
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.int64)
+    if only_expert is not None:
+        idx[:, 0] = only_expert
+        idx[:, 1:] = -1
+    elif drop:
+        idx[torch.rand(T, K, generator=gen) < drop] = -1
+    return idx
+
+
+def _inputs(seed, T, H, K, E, dtype, **routing):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    idx = _routing(T, K, E, gen, **routing)
+    w = torch.rand(T, K, generator=gen)
+    return x.to(dev()), idx.to(dev()), w.to(dev())
+
+
+def _global_reference(xs, idxs, ws, rank, E, W):
+    """Rows and weights `rank` must hold: local expert, then source rank, then token, from all inputs."""
+    e_local = E // W
+    rows, weights, counts = [], [], []
+    for e in range(rank * e_local, (rank + 1) * e_local):
+        n = 0
+        for src in range(W):
+            hit = (idxs[src] == e)
+            for t in torch.nonzero(hit.any(1)).flatten().tolist():
+                k = int(torch.nonzero(hit[t])[0])
+                rows.append(xs[src][t])
+                weights.append(ws[src][t, k])
+                n += 1
+        counts.append(n)
+    H = xs[0].shape[1]
+    x_ref = torch.stack(rows) if rows else torch.empty(0, H, dtype=xs[0].dtype)
+    return x_ref, torch.tensor(weights, dtype=torch.float32), torch.tensor(counts)
+
+
+def _expert_of_rows(res, rank, e_local):
+    return torch.repeat_interleave(torch.arange(e_local, device=res.x.device) + rank * e_local, res.tokens_per_expert)
+
+
+def dispatch_combine_body(seed, T_by_rank, H, K, E, dtype, backend, routing):
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    T = T_by_rank[rank]
+    x, idx, w = _inputs(seed * 31 + rank, T, H, K, E, dtype, **routing)
+    d = Dispatcher(E, H, max_tokens_per_rank=max(T_by_rank) + 1, topk=K, dtype=dtype, backend=backend)
+    res = d.dispatch(x, idx, w)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (x.cpu(), idx.cpu(), w.cpu()))
+    xs, idxs, ws = zip(*gathered)
+    x_ref, w_ref, counts = _global_reference(xs, idxs, ws, rank, E, world)
+    assert torch.equal(res.x.cpu(), x_ref), "dispatched rows differ from the reference (values or order)"
+    assert torch.equal(res.weights.cpu(), w_ref)
+    assert torch.equal(res.tokens_per_expert.cpu(), counts)
+    # experts: y = x * (1 + expert id), so combine must give sum_k w[t,k] * x[t] * (1 + idx[t,k])
+    scale = 1.0 + _expert_of_rows(res, rank, E // world).to(torch.float32)
+    y = (res.x.float() * scale[:, None]).to(dtype)
+    out = d.combine(y, res.handle)
+    valid = idx >= 0
+    coef = torch.where(valid, w * (1.0 + idx.float()), 0.0).sum(1)
+    expect = x.double() * coef.double()[:, None]
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double().cpu(), expect.cpu(), rtol=tol, atol=tol)
+    return res.x.shape[0]
+
+
+CASES = {  # T per rank (by world size) is uneven, with a rank that has no tokens where world > 2
+    "topk2-E8": dict(H=16, K=2, E=8, routing={}),
+    "topk8-E24": dict(H=8, K=8, E=24, routing={"drop": 0.3}),
+    "topk1-E6": dict(H=12, K=1, E=6, routing={"drop": 0.0}),
+    "all-to-one-expert": dict(H=8, K=3, E=12, routing={"only_expert": 5}),
+}
+TOKENS = {2: [9, 5], 3: [7, 0, 11], 4: [3, 8, 0, 6]}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["tilecomm", "nccl"])
+def test_dispatch_combine_match_global_reference(ranks, world, case, backend):
+    c = CASES[case]
+    experts = math.lcm(c["E"], world)  # E must split over the ranks; 6, 12, 24 keep it off powers of two
+    ranks(world).run(dispatch_combine_body, 1, TOKENS[world], c["H"], c["K"], experts, torch.float32, backend, c["routing"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dispatch_combine_bf16(ranks, world):
+    ranks(world).run(dispatch_combine_body, 2, TOKENS[world], 32, 4, 6 * world, torch.bfloat16, "tilecomm", {})
+
+
+def gradients_body(seed, T, H, K, E, backend):
+    """Gradients of x and topk_weights through dispatch -> experts -> combine, against local autograd."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    x, idx, w = _inputs(seed + rank, T, H, K, E, torch.float64)
+    x.requires_grad_()
+    w.requires_grad_()
+    d = Dispatcher(E, H, T, K, torch.float64, backend=backend)
+    res = d.dispatch(x, idx, w)
+    scale = 1.0 + _expert_of_rows(res, rank, E // world).double()
+    out = d.combine(res.x * scale[:, None], res.handle)
+    g = torch.randn(T, H, generator=torch.Generator().manual_seed(seed * 7 + rank), dtype=torch.float64).to(x.device)
+    (out * g).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    coef = torch.where(idx >= 0, w2 * (1.0 + idx.double()), 0.0).sum(1)
+    ((x2 * coef[:, None]) * g).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("backend", ["tilecomm", "nccl"])
+def test_gradients_match_local_autograd(ranks, world, backend):
+    ranks(world).run(gradients_body, 5, 6, 8, 3, 3 * world, backend)
+
+
+def backends_agree_body(iters, world_seed):
+    """Many random routings: the tilecomm and nccl backends give identical rows and combines."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    shared = torch.Generator().manual_seed(world_seed)  # E and K agree across ranks; T does not
+    own = torch.Generator().manual_seed(world_seed * 1000 + rank)
+    for it in range(iters):
+        E = world * int(torch.randint(1, 4, (1,), generator=shared))
+        K = int(torch.randint(1, min(E, 8) + 1, (1,), generator=shared))
+        T = int(torch.randint(0, 6, (1,), generator=own))
+        x, idx, w = _inputs(it * 97 + rank, T, 4, K, E, torch.float32)
+        outs = []
+        for backend in ("tilecomm", "nccl"):
+            d = Dispatcher(E, 4, 8, K, torch.float32, backend=backend)
+            res = d.dispatch(x, idx, w)
+            outs.append((res.x, res.weights, res.tokens_per_expert, d.combine(res.x * 2, res.handle)))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), f"iteration {it}: backends disagree"
+        expect = x * (2 * torch.where(idx >= 0, w, 0.0).sum(1))[:, None]
+        torch.testing.assert_close(outs[0][3], expect, rtol=1e-5, atol=1e-5)
+
+
+def test_random_routing_loop_backends_agree(ranks):
+    ranks(2).run(backends_agree_body, 200, 3)
+
+
+def layout_body():
+    gen = torch.Generator().manual_seed(0)
+    for T, K, E, W in [(0, 2, 4, 2), (1, 1, 2, 2), (150, 8, 24, 3), (77, 3, 9, 3), (64, 4, 8, 4)]:
+        idx = _routing(T, K, E, gen)
+        a, b = compute_layout(idx, E, W), layout_reference(idx, E, W)
+        for name in ("is_token_in_rank", "send_slot", "num_tokens_per_rank", "num_tokens_per_expert"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (name, T, K, E, W)
+
+
+def test_layout_kernel_matches_reference():
+    layout_body()
+
+
+def bad_dispatch_inputs():
+    world = tilecomm.world_size()
+    d = Dispatcher(4 * world, 8, 5, 2, torch.float32)
+    x, idx, w = torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    cases = [
+        (ValueError, "hidden=8", (torch.randn(3, 7), idx, w)),
+        (TypeError, "made for", (x.double(), idx, w)),
+        (ValueError, "max_tokens_per_rank", (torch.randn(6, 8), torch.zeros(6, 2, dtype=torch.int64), torch.rand(6, 2))),
+        (ValueError, "topk=2", (x, idx[:, :1], w)),
+        (TypeError, "int32 or int64", (x, idx.float(), w)),
+        (ValueError, r"\[-1, ", (x, idx - 2, w)),
+        (ValueError, r"\[-1, ", (x, idx + 4 * world, w)),
+        (TypeError, "floating point", (x, idx, idx)),
+    ]
+    for exc, pattern, args in cases:
+        with pytest.raises(exc, match=pattern):
+            d.dispatch(*args)
+    with pytest.raises(ValueError, match="divide"):
+        Dispatcher(4 * world + 1, 8, 5, 2)
+    with pytest.raises(ValueError, match="low-latency"):
+        Dispatcher(4 * world, 8, 5, 2, mode="low_latency")
+    res = d.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="combine: y must be"):
+        d.combine(torch.randn(res.x.shape[0] + 1, 8), res.handle)
+    with pytest.raises(ValueError, match="handle"):
+        d.combine(res.x, object())
+
+
+def test_bad_dispatch_inputs(ranks):
+    ranks(2).run(bad_dispatch_inputs)
