@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_language as lang  # noqa: E402
 from tilecomm.collectives import _exchange as ex  # noqa: E402
+from tilecomm.dispatch import layout as dl  # noqa: E402
+from tilecomm.dispatch import rows as dr  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
 
 I64P, I64 = "*i64", "i64"
@@ -34,6 +36,16 @@ CASES = [
     (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
     (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),
     (lang._wait_cmp_kernel, {"sig_ptr": I64P, "value": I64, "out_ptr": I64P, "CMP": "constexpr"}, {"CMP": 5}),
+    (dl._layout_kernel, {"topk_ptr": I64P, "in_rank_ptr": "*i8", "send_slot_ptr": I64P, "per_rank_ptr": I64P,
+                         "per_expert_ptr": I64P, "T": "i32", "K": "i32", "E_LOCAL": "i32", "W": "i32",
+                         "BLOCK_T": "constexpr", "BLOCK_K": "constexpr", "BLOCK_W": "constexpr"},
+     {"BLOCK_T": 64, "BLOCK_K": 8, "BLOCK_W": 4}),
+    (dr._gather_rows_kernel, {"src_ptr": "*bf16", "idx_ptr": I64P, "out_ptr": "*bf16", "M": "i32", "H": "i32",
+                              "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}, {"BLOCK_M": 16, "BLOCK_H": 256}),
+    (dr._combine_rows_kernel, {"src_ptr": "*bf16", "idx_ptr": I64P, "coef_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
+                               "H": "i32", "J": "i32", "HAS_COEF": "constexpr", "ACC": "constexpr",
+                               "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"},
+     {"HAS_COEF": True, "ACC": triton.language.float32, "BLOCK_M": 16, "BLOCK_H": 256}),
 ]
 
 
