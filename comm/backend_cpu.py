@@ -55,7 +55,9 @@ def create_heap(boot: Bootstrap, nbytes: int) -> SymmetricHeap:
 
 
 class ErrorRecord:
-    """int64 words [code, rank, a, b, c] a kernel fills once (first error wins), the host reads."""
+    """int64 words [code, rank, a, b, c] a kernel fills once (first error wins), the host reads.
+    Codes: 1 wait timed out (a = signal address, b = expected, c = last seen), 2 a collective's counts
+    disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E)."""
 
     def __init__(self, words: torch.Tensor):
         self.error = words
@@ -78,6 +80,8 @@ class ErrorRecord:
         if code == 1:
             raise WaitTimeoutError(rank, a, b, ">=/cmp", c, getattr(self, "timeout_s", float("nan")),
                                    where="recorded on the device")
+        if code == 3:
+            raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
         raise PeerMismatchError(f"rank {rank}: a collective expected {b} elements from rank {a}, which offers {c}")
 
 

@@ -7,5 +7,7 @@ reference (permute + torch.distributed.all_to_all_single + unpermute) and a drop
 from .dispatcher import Dispatcher
 from .handle import DispatchHandle, DispatchResult
 from .layout import Layout, compute_layout, layout_reference
+from .low_latency import LowLatencyHandle
 
-__all__ = ["Dispatcher", "DispatchHandle", "DispatchResult", "Layout", "compute_layout", "layout_reference"]
+__all__ = ["Dispatcher", "DispatchHandle", "DispatchResult", "Layout", "LowLatencyHandle", "compute_layout",
+           "layout_reference"]

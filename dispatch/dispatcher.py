@@ -17,7 +17,13 @@ be used by any number of combines; buffers are per call.
 
 backend: "tilecomm" (the runtime's kernels and collectives; the world group) or "nccl" (torch ops and
 torch.distributed.all_to_all_single on `group`: the reference implementation, and a drop-in
-fallback). mode: "normal". The low-latency mode (fixed capacity, no host sync) is not built yet.
+fallback).
+
+mode="low_latency" (decode; backend "tilecomm"): fixed-capacity symmetric buffers allocated once here
+(collective: construct the Dispatcher on every rank in the same order), no host synchronisation,
+`res.x` is [E_local, W * max_tokens_per_rank, H] with `res.tokens_per_expert` valid rows per expert
+(same order inside each expert; rows past the count undefined), `res.weights` [E_local, capacity].
+Forward-only; one combine per dispatch, before the next dispatch. See low_latency.py.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch.distributed as dist
 import tilecomm
 
 from . import engine
+from . import low_latency as ll
 from .handle import DispatchHandle, DispatchResult
 
 
@@ -67,9 +74,10 @@ class Dispatcher:
 
     def __init__(self, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, group=None, mode: str = "normal", backend: str = "tilecomm"):
-        if mode != "normal":
-            raise ValueError(f"Dispatcher: mode={mode!r}; only 'normal' is available in this version "
-                             "(the low-latency mode is not built yet)")
+        if mode not in ("normal", "low_latency"):
+            raise ValueError(f"Dispatcher: mode={mode!r}; expected 'normal' or 'low_latency'")
+        if mode == "low_latency" and backend != "tilecomm":
+            raise ValueError("Dispatcher: mode='low_latency' needs backend='tilecomm' (symmetric buffers)")
         for name, value in (("num_experts", num_experts), ("hidden", hidden),
                             ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk)):
             if not isinstance(value, int) or value < 1:
@@ -90,6 +98,10 @@ class Dispatcher:
         self.num_local_experts = num_experts // self.world_size
         self.mode, self.backend = mode, backend
         self._be = engine.make_backend(backend, group)
+        self._ll = None
+        if mode == "low_latency":
+            self._ll = ll.LowLatencyBuffers.allocate(self.num_local_experts, self.world_size, max_tokens_per_rank,
+                                                     hidden, dtype)
 
     def _check(self, x, topk_idx, topk_weights) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
@@ -109,7 +121,7 @@ class Dispatcher:
             raise ValueError(f"dispatch: topk_weights must be [num_tokens={T}, topk={self.topk}], got {getattr(topk_weights, 'shape', None)}")
         if not topk_weights.is_floating_point():
             raise TypeError(f"dispatch: topk_weights must be floating point, got {topk_weights.dtype}")
-        if topk_idx.numel():
+        if topk_idx.numel() and self.mode == "normal":  # low-latency: checked on the device, no host sync
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= self.num_experts:
                 raise ValueError(f"dispatch: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
@@ -117,6 +129,13 @@ class Dispatcher:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         """x [T, H] (dtype), topk_idx [T, K] int (-1 = none), topk_weights [T, K] float -> DispatchResult."""
         self._check(x, topk_idx, topk_weights)
+        if self.mode == "low_latency":
+            if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
+                raise ValueError("dispatch: mode='low_latency' is forward-only; use mode='normal' for training "
+                                 "(or run under torch.no_grad())")
+            rows, weights, per_expert, handle = ll.dispatch(self._ll, x.contiguous(), topk_idx.contiguous(),
+                                                            topk_weights, self.num_experts, self.max_tokens)
+            return DispatchResult(rows, weights, per_expert, handle)
         handle = engine.plan(self._be, topk_idx, self.num_experts, self.rank, self.world_size, self.hidden)
         rows, weights = _Dispatch.apply(x, topk_weights, self._be, handle)
         handle.row_weights = weights
@@ -124,6 +143,13 @@ class Dispatcher:
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """y [R, H] (rows in res.x's order) -> out [T, H] = sum_k topk_weights[t, k] * y[row(t, k)]."""
+        if self.mode == "low_latency":
+            if not isinstance(handle, ll.LowLatencyHandle):
+                raise ValueError("combine: handle must be the LowLatencyHandle this Dispatcher's dispatch returned")
+            shape = (self.num_local_experts, handle.capacity, self.hidden)
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != shape:
+                raise ValueError(f"combine: y must be {list(shape)} (res.x's shape), got {getattr(y, 'shape', type(y))}")
+            return ll.combine(self._ll, y, handle, self.max_tokens)
         if not isinstance(handle, DispatchHandle) or handle.backend != self.backend:
             raise ValueError("combine: handle must be the DispatchHandle this Dispatcher's dispatch returned")
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != (handle.num_recv_rows, handle.hidden):

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_language as lang  # noqa: E402
 from tilecomm.collectives import _exchange as ex  # noqa: E402
 from tilecomm.dispatch import layout as dl  # noqa: E402
+from tilecomm.dispatch import low_latency as ll  # noqa: E402
 from tilecomm.dispatch import rows as dr  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
 
@@ -46,6 +47,15 @@ CASES = [
                                "H": "i32", "J": "i32", "HAS_COEF": "constexpr", "ACC": "constexpr",
                                "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"},
      {"HAS_COEF": True, "ACC": triton.language.float32, "BLOCK_M": 16, "BLOCK_H": 256}),
+    (ll._send_kernel, {"x_ptr": "*bf16", "idx_ptr": I64P, "w_ptr": "*fp32", "slot_ptr": I64P, "stage_x_ptr": "*bf16",
+                       "stage_w_ptr": "*fp32", "consumed_ptr": I64P, "epoch_ptr": I64P, "err_ptr": I64P, "K": "i32",
+                       "H": "i32", "E": "i32", "E_L": "i32", "W": "i32", "M": "i32"}, {}),
+    (ll._recv_kernel, {"stage_x_ptr": "*bf16", "stage_w_ptr": "*fp32", "count_sig_ptr": I64P, "out_x_ptr": "*bf16",
+                       "out_w_ptr": "*fp32", "per_expert_ptr": I64P, "counts_ptr": I64P, "epoch_ptr": I64P,
+                       "H": "i32", "W": "i32", "M": "i32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 256}),
+    (ll._reduce_kernel, {"back_x_ptr": "*bf16", "idx_ptr": I64P, "w_ptr": "*fp32", "slot_ptr": I64P,
+                         "back_sig_ptr": I64P, "handle_epoch_ptr": I64P, "out_ptr": "*bf16", "K": "i32", "H": "i32",
+                         "E_L": "i32", "W": "i32", "M": "i32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 256}),
 ]
 
 

@@ -183,8 +183,10 @@ def bad_dispatch_inputs():
             d.dispatch(*args)
     with pytest.raises(ValueError, match="divide"):
         Dispatcher(4 * world + 1, 8, 5, 2)
-    with pytest.raises(ValueError, match="low-latency"):
-        Dispatcher(4 * world, 8, 5, 2, mode="low_latency")
+    with pytest.raises(ValueError, match="low_latency.*needs backend='tilecomm'"):
+        Dispatcher(4 * world, 8, 5, 2, mode="low_latency", backend="nccl")
+    with pytest.raises(ValueError, match="mode="):
+        Dispatcher(4 * world, 8, 5, 2, mode="fast")
     res = d.dispatch(x, idx, w)
     with pytest.raises(ValueError, match="combine: y must be"):
         d.combine(torch.randn(res.x.shape[0] + 1, 8), res.handle)
@@ -194,3 +196,52 @@ def bad_dispatch_inputs():
 
 def test_bad_dispatch_inputs(ranks):
     ranks(2).run(bad_dispatch_inputs)
+
+
+def low_latency_body(seed, T_by_rank, H, K, E, dtype, iters):
+    """Low-latency rows (packed by their counts) equal the normal mode's; combine gives the formula."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    M = max(T_by_rank) + 1
+    fast = Dispatcher(E, H, M, K, dtype, mode="low_latency")
+    ref = Dispatcher(E, H, M, K, dtype, backend="nccl")
+    for it in range(iters):
+        x, idx, w = _inputs(seed * 1000 + it * 10 + rank, T_by_rank[(rank + it) % world], H, K, E, dtype)
+        res, want = fast.dispatch(x, idx, w), ref.dispatch(x, idx, w)
+        assert res.x.shape == (E // world, world * M, H)
+        counts = res.tokens_per_expert.tolist()
+        assert counts == want.tokens_per_expert.tolist()
+        rows = torch.cat([res.x[e, :n] for e, n in enumerate(counts)])
+        assert torch.equal(rows, want.x), f"iteration {it}: low-latency rows differ"
+        assert torch.equal(torch.cat([res.weights[e, :n] for e, n in enumerate(counts)]), want.weights)
+        experts = torch.arange(E // world, device=x.device) + rank * (E // world)
+        y = (res.x.float() * (1.0 + experts.float())[:, None, None]).to(dtype)
+        out = fast.combine(y, res.handle)
+        coef = torch.where(idx >= 0, w * (1.0 + idx.float()), 0.0).sum(1)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.double(), x.double() * coef.double()[:, None], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_low_latency_matches_normal_mode(ranks, world):
+    ranks(world).run(low_latency_body, 3, TOKENS[world], 8, 3, 4 * world, torch.float32, 4)
+
+
+def test_low_latency_bf16_top8(ranks):
+    ranks(2).run(low_latency_body, 4, [6, 4], 16, 8, 10, torch.bfloat16, 2)
+
+
+def low_latency_bad_expert_id():
+    world = tilecomm.world_size()
+    d = Dispatcher(2 * world, 4, 3, 1, torch.float32, mode="low_latency")
+    bad = torch.full((2, 1), 2 * world if tilecomm.rank() == 0 else 0, dtype=torch.int64)
+    try:
+        with torch.no_grad():
+            d.dispatch(torch.randn(2, 4), bad, torch.rand(2, 1))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_low_latency_reports_bad_expert_ids(ranks):
+    results = ranks(2).run(low_latency_bad_expert_id)
+    assert results[1] is None and "expert id 4" in results[0], results

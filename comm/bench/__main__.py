@@ -1,4 +1,4 @@
-"""`python -m tilecomm.bench {all_to_all,all_gather,reduce_scatter} [options]` (see tilecomm.bench).
+"""`python -m tilecomm.bench {all_to_all,all_gather,reduce_scatter,dispatch} [options]` (see tilecomm.bench).
 
 Under torchrun (RANK and WORLD_SIZE set) every process is one rank: torch.distributed is
 initialised here (NCCL on GPUs, gloo on CPU), then tilecomm.init. Otherwise the command spawns
@@ -14,6 +14,7 @@ from typing import List, Tuple
 
 import torch
 
+from . import dispatch as dispatch_bench
 from .collectives import OPS, BenchMismatch, Config, heap_bytes_needed, make_case, run_rank
 
 # (GPU, CPU) defaults
@@ -24,13 +25,16 @@ _DEFAULTS = {"rows": ("4096,128", "64"), "hidden": (7168, 128), "shape": ("8192x
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tilecomm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("op", choices=OPS)
+    p.add_argument("op", choices=OPS + ("dispatch",))
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: cuda when torch sees a GPU, else cpu (gloo baseline, timings not meaningful)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to spawn when not under torchrun (default: the GPU count; 2 on cpu)")
     p.add_argument("--rows", help="all_to_all: comma list of rows per rank (default 4096,128; cpu 64)")
-    p.add_argument("--hidden", type=int, help="all_to_all: elements per row (default 7168; cpu 128)")
+    p.add_argument("--hidden", type=int, help="all_to_all, dispatch: elements per row (default 7168; cpu 128)")
+    p.add_argument("--tokens", type=int, help="dispatch: tokens per rank (default 4096; cpu 64)")
+    p.add_argument("--experts", type=int, help="dispatch: experts, split evenly over ranks (default 256; cpu 24)")
+    p.add_argument("--topk", type=int, help="dispatch: distinct experts per token (default 8; cpu 4)")
     p.add_argument("--shape", help="all_gather: gathered output, reduce_scatter: input before scattering; "
                                    "comma list of RxC (default 8192x8192; cpu 64x128)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 (cpu float32)")
@@ -80,7 +84,7 @@ def _heap_bytes(cfg: Config, world: int) -> int:
     return max(_env.heap_bytes(), heap_bytes_needed(cases))
 
 
-def _in_process(cfg: Config, backend: str, heap: int) -> None:
+def _in_process(cfg: Config, backend: str, heap: int, body=run_rank) -> None:
     """One torchrun rank: init torch.distributed and tilecomm here, run, tear down."""
     import torch.distributed as dist
 
@@ -93,17 +97,17 @@ def _in_process(cfg: Config, backend: str, heap: int) -> None:
     else:
         dist.init_process_group("gloo")
     tilecomm.init(backend=backend, heap_bytes=heap)
-    run_rank(cfg)  # on an error, skip the collective teardown (a peer may be gone); exit cleans up
+    body(cfg)  # on an error, skip the collective teardown (a peer may be gone); exit cleans up
     tilecomm.finalize()
     dist.destroy_process_group()
 
 
-def _spawned(cfg: Config, backend: str, world: int, heap: int) -> None:
+def _spawned(cfg: Config, backend: str, world: int, heap: int, body=run_rank) -> None:
     import tilecomm
     from tilecomm.spawn import RankError
 
     try:
-        tilecomm.launch(run_rank, world, cfg, backend=backend, env={"TILECOMM_HEAP_BYTES": str(heap)})
+        tilecomm.launch(body, world, cfg, backend=backend, env={"TILECOMM_HEAP_BYTES": str(heap)})
     except RankError as err:
         if isinstance(err.original, BenchMismatch):
             raise err.original from None
@@ -129,13 +133,20 @@ def main(argv=None) -> int:
             p.error(f"--world-size {world}: only {torch.cuda.device_count()} GPUs visible")
     if world < 1:
         p.error("--world-size must be >= 1")
-    cfg = _config(args, backend, world, p)
-    heap = _heap_bytes(cfg, world)
+    if args.op == "dispatch":
+        try:
+            cfg = dispatch_bench.config_from_args(args, backend, world)
+        except ValueError as err:
+            p.error(str(err))
+        body, heap = dispatch_bench.run_rank, dispatch_bench.heap_bytes(cfg, world)
+    else:
+        cfg = _config(args, backend, world, p)
+        body, heap = run_rank, _heap_bytes(cfg, world)
     try:
         if under_launcher:
-            _in_process(cfg, backend, heap)
+            _in_process(cfg, backend, heap, body)
         else:
-            _spawned(cfg, backend, world, heap)
+            _spawned(cfg, backend, world, heap, body)
     except BenchMismatch as err:
         print(f"tilecomm.bench: ABORTED, results differ: {err}", file=sys.stderr, flush=True)
         return 2

@@ -1,0 +1,192 @@
+"""Time tilecomm.dispatch's Dispatcher (mode "normal"): backend="tilecomm" against backend="nccl".
+
+    torchrun --nproc-per-node 8 -m tilecomm.bench dispatch            # 4096 tokens, 7168 hidden, top-8 of 256
+    python -m tilecomm.bench dispatch --backend cpu --world-size 2     # Triton interpreter vs gloo
+
+backend="nccl" is the torch reference path (torch ops + torch.distributed.all_to_all_single: NCCL on
+GPUs, gloo on CPU): the baseline. Both run on the same inputs in the same run. Every rank draws
+x = randn(tokens, hidden) and a uniform routing: each token's top-k of `experts` random scores
+(k distinct experts), weights = those scores. Before timing, tilecomm's dispatch must equal the
+reference's bit for bit (res.x, res.weights, res.tokens_per_expert) and its combine of the same
+y = randn(rows, hidden) must be allclose; otherwise every rank raises BenchMismatch.
+
+Phases: dispatch = Dispatcher.dispatch (layout, count exchange with its host sync, rows and weights);
+combine = Dispatcher.combine on that dispatch's handle. Times as in collectives.py: max over ranks
+of each rank's median µs per call. Bytes per rank that cross the link, pairs = (token, destination
+rank) pairs with destination != own rank (the mean over ranks is reported):
+
+    dispatch  pairs × hidden × elem   (each token goes once to each other rank that owns one of its experts)
+    combine   pairs × hidden × elem   (each such rank sends back one partial row per token)
+
+NVLink GB/s = bytes / time / 1e9; the routing weights, counts and expert ids are not counted.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import tilecomm
+from tilecomm.dispatch import Dispatcher
+
+from .collectives import _DTYPES, BenchMismatch, _gather, _sync, _time_us, heap_bytes_needed, make_case
+
+BACKENDS = ("tilecomm", "nccl")
+PHASES = ("dispatch", "combine")
+# (GPU, CPU) defaults; 24 experts divide by 2, 3, 4, 6 and 8 CPU ranks
+DEFAULTS = {"tokens": (4096, 64), "hidden": (7168, 128), "experts": (256, 24), "topk": (8, 4),
+            "dtype": ("bfloat16", "float32"), "warmup": (5, 1), "reps": (20, 3), "iters": (10, 2)}
+_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # combine: rtol = atol
+
+
+@dataclass
+class DispatchConfig:
+    """What one dispatch benchmark run does (picklable: it travels to spawned ranks)."""
+
+    tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    dtype: str = "bfloat16"
+    warmup: int = 5
+    reps: int = 20
+    iters: int = 10
+    json_path: Optional[str] = None
+    seed: int = 0
+
+
+def config_from_args(args, backend: str, world: int) -> DispatchConfig:
+    """Fill unset options with the GPU or CPU default; ValueError on a bad combination."""
+    if args.rows or args.shape or args.symmetric:
+        raise ValueError("dispatch: --rows, --shape and --symmetric do not apply (use --tokens/--hidden)")
+    k = 0 if backend == "cuda" else 1
+    vals = {name: pair[k] if getattr(args, name) is None else getattr(args, name) for name, pair in DEFAULTS.items()}
+    cfg = DispatchConfig(**vals, json_path=args.json_path, seed=args.seed)
+    if min(cfg.tokens, cfg.hidden, cfg.experts, cfg.topk, cfg.reps, cfg.iters) < 1 or cfg.warmup < 0:
+        raise ValueError("dispatch: --tokens, --hidden, --experts, --topk, --reps, --iters must be >= 1, --warmup >= 0")
+    if cfg.experts % world:
+        raise ValueError(f"dispatch: --experts {cfg.experts} must divide by the world size ({world})")
+    if cfg.topk > cfg.experts:
+        raise ValueError(f"dispatch: --topk {cfg.topk} > --experts {cfg.experts}")
+    return cfg
+
+
+def heap_bytes(cfg: DispatchConfig, world: int) -> int:
+    """Heap for the largest all-to-all input: at most tokens × world rows of hidden (combine's partials)."""
+    from .. import _env
+
+    case = make_case("all_to_all", (cfg.tokens * world, cfg.hidden), cfg.dtype, world)
+    return max(_env.heap_bytes(), heap_bytes_needed([case]))
+
+
+def _inputs(cfg: DispatchConfig, device: torch.device):
+    """x [T, H]; topk_idx [T, K]: K distinct experts per token, uniform; weights: their random scores."""
+    x = torch.randn(cfg.tokens, cfg.hidden, device=device).to(_DTYPES[cfg.dtype])
+    weights, idx = torch.rand(cfg.tokens, cfg.experts, device=device).topk(cfg.topk, dim=1)
+    return x, idx, weights
+
+
+def _problem(rank: int, ours, ref, out_ours, out_ref, tol: float) -> Optional[str]:
+    """None if tilecomm's results agree with the reference's on this rank, else a description."""
+    for name in ("tokens_per_expert", "x", "weights"):
+        a, b = getattr(ours, name), getattr(ref, name)
+        if a.shape != b.shape or not torch.equal(a, b):
+            return f"rank {rank}: dispatch res.{name} differs (bit-exact): tilecomm {tuple(a.shape)} vs nccl {tuple(b.shape)}"
+    if not torch.allclose(out_ours.float(), out_ref.float(), rtol=tol, atol=tol):
+        diff = (out_ours.float() - out_ref.float()).abs().max().item()
+        return f"rank {rank}: combine output differs (allclose rtol=atol={tol}): max |diff| {diff:.4g}"
+    return None
+
+
+def _verify(ds: Dict[str, Dispatcher], x, idx, w, cuda: bool):
+    """Dispatch with both backends, combine the same y; raise BenchMismatch on every rank if any rank
+    differs. Returns ({backend: DispatchResult}, y)."""
+    res = {b: d.dispatch(x, idx, w) for b, d in ds.items()}
+    y = torch.randn_like(res["nccl"].x)
+    same_rows = res["tilecomm"].x.shape == y.shape
+    outs = {b: ds[b].combine(y, res[b].handle) for b in BACKENDS} if same_rows else {b: y for b in BACKENDS}
+    _sync(cuda)
+    tilecomm.check_errors()
+    mine = _problem(dist.get_rank(), res["tilecomm"], res["nccl"], outs["tilecomm"], outs["nccl"], _TOL[x.dtype])
+    problems = [p for p in _gather(mine) if p]
+    if problems:
+        raise BenchMismatch("dispatch: Dispatcher(backend='tilecomm') differs from backend='nccl' on the same "
+                            "input:\n  " + "\n  ".join(problems))
+    return res, y
+
+
+def _times(cfg, ds, res, y, x, idx, w, cuda: bool) -> Dict[tuple, float]:
+    """{(backend, phase): max over ranks of this rank's median µs per call}."""
+    fns = {}
+    for b, d in ds.items():
+        fns[(b, "dispatch")] = lambda d=d: d.dispatch(x, idx, w)
+        fns[(b, "combine")] = lambda d=d, h=res[b].handle: d.combine(y, h)
+    return {key: max(_gather(_time_us(fns[key], cfg, cuda))) for key in [(b, p) for p in PHASES for b in BACKENDS]}
+
+
+def _rows(cfg: DispatchConfig, times: Dict[tuple, float], pairs: float, base: str, backend: str) -> List[dict]:
+    nbytes = pairs * cfg.hidden * _DTYPES[cfg.dtype].itemsize
+    rows = []
+    for (b, phase), us in times.items():
+        t_ours, t_base = times[("tilecomm", phase)], times[("nccl", phase)]
+        rows.append({"op": "dispatch", "phase": phase, "backend": b, "us": us, "gbps": nbytes / us / 1e3,
+                     "ratio": t_base / t_ours, "tilecomm_us": t_ours, "baseline_us": t_base, "bytes": nbytes,
+                     "pairs": pairs, "tokens": cfg.tokens, "hidden": cfg.hidden, "experts": cfg.experts,
+                     "topk": cfg.topk, "dtype": cfg.dtype, "world": dist.get_world_size(),
+                     "baseline": f"Dispatcher(backend='nccl') over torch.distributed/{base}", "device": backend})
+    return rows
+
+
+_COLS = "{:<9} {:<9} {:>14} {:>9} {:>11} {:>12} {:>15}"
+
+
+def _header(cfg: DispatchConfig, pairs: float, base: str, backend: str) -> str:
+    world = dist.get_world_size()
+    lines = [f"tilecomm.bench dispatch: Dispatcher(mode='normal'), world={world}, backend={backend}, "
+             f"baseline=Dispatcher(backend='nccl') (torch ops + torch.distributed.all_to_all_single over {base})",
+             f"inputs per rank: x = randn({cfg.tokens}, {cfg.hidden}) {cfg.dtype}; routing = uniform random top-{cfg.topk} "
+             f"of {cfg.experts} experts (distinct), {cfg.experts // world} experts per rank",
+             "NVLink GB/s = pairs x hidden x elem / time / 1e9, pairs = (token, destination rank) pairs with "
+             f"destination != own rank (mean over ranks: {pairs:.1f}); dispatch: the token's row, combine: its partial row back",
+             f"time = max over ranks of each rank's median µs per call ({cfg.reps} reps x {cfg.iters} calls, "
+             f"{cfg.warmup} warm-up, barrier between reps); ratio = nccl / tilecomm (> 1: tilecomm faster)"]
+    if backend == "cpu":
+        lines.append("NOTE: cpu backend (Triton interpreter vs gloo): these timings check that the benchmark runs; "
+                     "they are NOT meaningful performance numbers.")
+    lines.append(_COLS.format("phase", "backend", "tokens x hid", "dtype", "median µs", "NVLink GB/s", "nccl/tilecomm"))
+    return "\n".join(lines)
+
+
+def _row(r: dict) -> str:
+    ratio = f"{r['ratio']:.2f}" if r["backend"] == "tilecomm" else "(base)"
+    return _COLS.format(r["phase"], r["backend"], f"{r['tokens']}x{r['hidden']}", r["dtype"], f"{r['us']:.1f}",
+                        f"{r['gbps']:.4g}", ratio)
+
+
+def run_rank(cfg: DispatchConfig) -> List[dict]:
+    """Every rank's body (torch.distributed and tilecomm initialised): verify, time, print on rank 0.
+
+    Returns the rows (same on every rank); rank 0 also writes them to cfg.json_path as a JSON list."""
+    rank, ctx = dist.get_rank(), tilecomm.current()
+    cuda, base = ctx.backend == "cuda", dist.get_backend()
+    torch.manual_seed(cfg.seed * 1000 + rank)  # different data on every rank
+    x, idx, w = _inputs(cfg, ctx.device)
+    ds = {b: Dispatcher(cfg.experts, cfg.hidden, cfg.tokens, cfg.topk, _DTYPES[cfg.dtype], mode="normal", backend=b)
+          for b in BACKENDS}
+    res, y = _verify(ds, x, idx, w, cuda)
+    splits = res["nccl"].handle.send_splits
+    pairs = statistics.mean(_gather(sum(splits) - splits[rank]))
+    if rank == 0:
+        print(_header(cfg, pairs, base, ctx.backend), flush=True)
+    rows = _rows(cfg, _times(cfg, ds, res, y, x, idx, w, cuda), pairs, base, ctx.backend)
+    if rank == 0:
+        print("\n".join(_row(r) for r in rows), flush=True)
+        if cfg.json_path:
+            with open(cfg.json_path, "w") as f:
+                json.dump(rows, f, indent=2)
+            print(f"wrote {len(rows)} rows to {cfg.json_path}", flush=True)
+    return rows
