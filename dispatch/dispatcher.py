@@ -126,16 +126,23 @@ class Dispatcher:
             if lo < -1 or hi >= self.num_experts:
                 raise ValueError(f"dispatch: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
-        """x [T, H] (dtype), topk_idx [T, K] int (-1 = none), topk_weights [T, K] float -> DispatchResult."""
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 return_recv_hook: bool = False) -> DispatchResult:
+        """x [T, H] (dtype), topk_idx [T, K] int (-1 = none), topk_weights [T, K] float -> DispatchResult.
+
+        return_recv_hook (low-latency mode): queue only the send half now; `res.recv_hook()` queues the
+        receive half, after which res.x / res.weights / res.tokens_per_expert are filled."""
         self._check(x, topk_idx, topk_weights)
+        if return_recv_hook and self.mode != "low_latency":
+            raise ValueError("dispatch: return_recv_hook=True needs mode='low_latency'")
         if self.mode == "low_latency":
             if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
                 raise ValueError("dispatch: mode='low_latency' is forward-only; use mode='normal' for training "
                                  "(or run under torch.no_grad())")
-            rows, weights, per_expert, handle = ll.dispatch(self._ll, x.contiguous(), topk_idx.contiguous(),
-                                                            topk_weights, self.num_experts, self.max_tokens)
-            return DispatchResult(rows, weights, per_expert, handle)
+            rows, weights, per_expert, handle, hook = ll.dispatch(self._ll, x.contiguous(), topk_idx.contiguous(),
+                                                                  topk_weights, self.num_experts, self.max_tokens,
+                                                                  defer_recv=return_recv_hook)
+            return DispatchResult(rows, weights, per_expert, handle, hook)
         handle = engine.plan(self._be, topk_idx, self.num_experts, self.rank, self.world_size, self.hidden)
         rows, weights = _Dispatch.apply(x, topk_weights, self._be, handle)
         handle.row_weights = weights

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -50,9 +50,12 @@ class DispatchHandle:
 class DispatchResult:
     """x: [R, H] rows, expert-major (local expert, then source rank, then source token index);
     weights: [R] float32 routing weight of each row's (token, expert) pair;
-    tokens_per_expert: [E_local] int64 on the device; handle: what combine needs."""
+    tokens_per_expert: [E_local] int64 on the device; handle: what combine needs.
+    Low-latency mode: x [E_local, capacity, H], weights [E_local, capacity]; recv_hook is set when
+    dispatch was asked to defer its receive half (call it before reading the outputs)."""
 
     x: torch.Tensor
     weights: torch.Tensor
     tokens_per_expert: torch.Tensor
-    handle: DispatchHandle
+    handle: "DispatchHandle | LowLatencyHandle"
+    recv_hook: Optional[Callable[[], None]] = None

@@ -198,8 +198,13 @@ def pair_slots(topk_idx: torch.Tensor, num_experts: int):
     return slot.view(topk_idx.shape), onehot.sum(0)
 
 
-def dispatch(bufs: LowLatencyBuffers, x, topk_idx, topk_weights, num_experts: int, max_tokens: int):
-    """Returns (x [E_l, cap, H], weights [E_l, cap] float32, tokens_per_expert [E_l], handle)."""
+def dispatch(bufs: LowLatencyBuffers, x, topk_idx, topk_weights, num_experts: int, max_tokens: int,
+             defer_recv: bool = False):
+    """Returns (x [E_l, cap, H], weights [E_l, cap] float32, tokens_per_expert [E_l], handle, recv_hook).
+
+    The send half (send + count kernels) is queued now; the receive half (receive + finish) too, unless
+    defer_recv: then the outputs are filled only once `recv_hook()` is called, so a caller can queue
+    other work (e.g. another micro-batch's compute) between the two halves."""
     ctx = tilecomm.current()
     W, (T, K), H = ctx.world_size, topk_idx.shape, x.shape[1]
     e_local = num_experts // W
@@ -215,13 +220,18 @@ def dispatch(bufs: LowLatencyBuffers, x, topk_idx, topk_weights, num_experts: in
         _send_kernel[(T,)](x, topk_idx, weights, slot, bufs.stage_x, bufs.stage_w, bufs.consumed_sig, bufs.epoch,
                            ctx.device_state.error, K, H, num_experts, e_local, W, max_tokens)
     _count_kernel[(1,)](counts, bufs.count_sig, bufs.epoch, e_local, W, max_tokens)
-    _recv_kernel[(e_local, W)](bufs.stage_x, bufs.stage_w, bufs.count_sig, out_x, out_w, per_expert, recv_counts,
-                               bufs.epoch, H, W, max_tokens, BLOCK_H=BLOCK_H)
-    _finish_kernel[(1,)](bufs.consumed_sig, bufs.epoch, handle_epoch, W)
-    if ctx.backend == "cpu":
-        tilecomm.check_errors()
+
+    def recv_hook() -> None:
+        _recv_kernel[(e_local, W)](bufs.stage_x, bufs.stage_w, bufs.count_sig, out_x, out_w, per_expert, recv_counts,
+                                   bufs.epoch, H, W, max_tokens, BLOCK_H=BLOCK_H)
+        _finish_kernel[(1,)](bufs.consumed_sig, bufs.epoch, handle_epoch, W)
+        if ctx.backend == "cpu":
+            tilecomm.check_errors()
+
+    if not defer_recv:
+        recv_hook()
     handle = LowLatencyHandle(topk_idx, weights, slot, recv_counts, handle_epoch, cap)
-    return out_x, out_w, per_expert, handle
+    return out_x, out_w, per_expert, handle, (recv_hook if defer_recv else None)
 
 
 def combine(bufs: LowLatencyBuffers, y: torch.Tensor, h: LowLatencyHandle, max_tokens: int) -> torch.Tensor:

@@ -206,7 +206,9 @@ def low_latency_body(seed, T_by_rank, H, K, E, dtype, iters):
     ref = Dispatcher(E, H, M, K, dtype, backend="nccl")
     for it in range(iters):
         x, idx, w = _inputs(seed * 1000 + it * 10 + rank, T_by_rank[(rank + it) % world], H, K, E, dtype)
-        res, want = fast.dispatch(x, idx, w), ref.dispatch(x, idx, w)
+        res, want = fast.dispatch(x, idx, w, return_recv_hook=bool(it % 2)), ref.dispatch(x, idx, w)
+        if res.recv_hook is not None:  # odd iterations: send half first, receive half on demand
+            res.recv_hook()
         assert res.x.shape == (E // world, world * M, H)
         counts = res.tokens_per_expert.tolist()
         assert counts == want.tokens_per_expert.tolist()
