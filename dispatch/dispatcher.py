@@ -11,9 +11,12 @@ differentiable: dispatch's backward is a combine of the gradients (and returns e
 gradient to its token), combine's backward is a dispatch; `topk_weights` gets its gradient
 through `res.weights`, which combine uses.
 
-Streams: every call runs on the current stream and returns after queuing its kernels, except for one
-host synchronisation in dispatch (the per-rank token counts decide the buffer sizes). The handle may
-be used by any number of combines; buffers are per call.
+Streams: by default every call runs on the current stream and returns after queuing its kernels, except
+for one host synchronisation in normal-mode dispatch (the per-rank token counts decide the buffer sizes).
+With `async_op=True`, dispatch and combine run on the Dispatcher's own communication stream (which first
+waits for the current stream) and the result carries `work`, an event-like object: `work.wait()` makes
+the current stream wait for the call; read the outputs only after it. The handle may be used by any
+number of combines (normal mode); output buffers are per call.
 
 backend: "tilecomm" (the runtime's kernels and collectives; the world group) or "nccl" (torch ops and
 torch.distributed.all_to_all_single on `group`: the reference implementation, and a drop-in
@@ -27,10 +30,13 @@ Forward-only; one combine per dispatch, before the next dispatch. See low_latenc
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 import tilecomm
+from tilecomm.collectives import Work
 
 from . import engine
 from . import low_latency as ll
@@ -103,6 +109,23 @@ class Dispatcher:
             self._ll = ll.LowLatencyBuffers.allocate(self.num_local_experts, self.world_size, max_tokens_per_rank,
                                                      hidden, dtype)
 
+    @contextlib.contextmanager
+    def _on_comm_stream(self, async_op: bool, inputs):
+        """Run the body on this Dispatcher's stream when async_op (CUDA); yields a list to put outputs in."""
+        outputs: list = []
+        if not (async_op and inputs[0].is_cuda):
+            yield outputs
+            return
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream()
+        caller = torch.cuda.current_stream()
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            yield outputs
+        for t in inputs + outputs:  # the caching allocator must not recycle these under the other stream
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self._stream if t in inputs else caller)
+
     def _check(self, x, topk_idx, topk_weights) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"dispatch: x must be [num_tokens, hidden={self.hidden}], got {getattr(x, 'shape', type(x))}")
@@ -127,7 +150,17 @@ class Dispatcher:
                 raise ValueError(f"dispatch: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 return_recv_hook: bool = False) -> DispatchResult:
+                 return_recv_hook: bool = False, async_op: bool = False) -> DispatchResult:
+        """See `_dispatch`; async_op=True runs it on the communication stream and sets `res.work`."""
+        with self._on_comm_stream(async_op, [x, topk_idx, topk_weights]) as outputs:
+            res = self._dispatch(x, topk_idx, topk_weights, return_recv_hook)
+            outputs += [res.x, res.weights, res.tokens_per_expert]
+        if async_op:
+            res.work = Work(res.x)
+        return res
+
+    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                  return_recv_hook: bool = False) -> DispatchResult:
         """x [T, H] (dtype), topk_idx [T, K] int (-1 = none), topk_weights [T, K] float -> DispatchResult.
 
         return_recv_hook (low-latency mode): queue only the send half now; `res.recv_hook()` queues the
@@ -148,8 +181,15 @@ class Dispatcher:
         handle.row_weights = weights
         return DispatchResult(rows, weights, handle.tokens_per_expert, handle)
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """y [R, H] (rows in res.x's order) -> out [T, H] = sum_k topk_weights[t, k] * y[row(t, k)]."""
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, async_op: bool = False):
+        """y [R, H] (rows in res.x's order) -> out [T, H] = sum_k topk_weights[t, k] * y[row(t, k)].
+        async_op=True: runs on the communication stream and returns (out, work); wait before reading out."""
+        with self._on_comm_stream(async_op, [y]) as outputs:
+            out = self._combine(y, handle)
+            outputs.append(out)
+        return (out, Work(out)) if async_op else out
+
+    def _combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         if self.mode == "low_latency":
             if not isinstance(handle, ll.LowLatencyHandle):
                 raise ValueError("combine: handle must be the LowLatencyHandle this Dispatcher's dispatch returned")

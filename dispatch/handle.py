@@ -59,3 +59,4 @@ class DispatchResult:
     tokens_per_expert: torch.Tensor
     handle: "DispatchHandle | LowLatencyHandle"
     recv_hook: Optional[Callable[[], None]] = None
+    work: Optional[object] = None  # with async_op=True: wait() before reading the outputs

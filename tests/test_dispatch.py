@@ -58,7 +58,9 @@ def dispatch_combine_body(seed, T_by_rank, H, K, E, dtype, backend, routing):
     T = T_by_rank[rank]
     x, idx, w = _inputs(seed * 31 + rank, T, H, K, E, dtype, **routing)
     d = Dispatcher(E, H, max_tokens_per_rank=max(T_by_rank) + 1, topk=K, dtype=dtype, backend=backend)
-    res = d.dispatch(x, idx, w)
+    res = d.dispatch(x, idx, w, async_op=bool(seed % 2))
+    if res.work is not None:
+        assert res.work.wait()
     gathered = [None] * world
     dist.all_gather_object(gathered, (x.cpu(), idx.cpu(), w.cpu()))
     xs, idxs, ws = zip(*gathered)

@@ -94,8 +94,10 @@ def _problem(rank: int, ours, ref, out_ours, out_ref, tol: float) -> Optional[st
     """None if tilecomm's results agree with the reference's on this rank, else a description."""
     for name in ("tokens_per_expert", "x", "weights"):
         a, b = getattr(ours, name), getattr(ref, name)
-        if a.shape != b.shape or not torch.equal(a, b):
-            return f"rank {rank}: dispatch res.{name} differs (bit-exact): tilecomm {tuple(a.shape)} vs nccl {tuple(b.shape)}"
+        if a.shape != b.shape:
+            return f"rank {rank}: dispatch res.{name} shape: tilecomm {tuple(a.shape)} vs nccl {tuple(b.shape)}"
+        if not torch.equal(a, b):
+            return f"rank {rank}: dispatch res.{name}: {int((a != b).sum())} of {a.numel()} elements differ (bit-exact)"
     if not torch.allclose(out_ours.float(), out_ref.float(), rtol=tol, atol=tol):
         diff = (out_ours.float() - out_ref.float()).abs().max().item()
         return f"rank {rank}: combine output differs (allclose rtol=atol={tol}): max |diff| {diff:.4g}"
@@ -162,7 +164,7 @@ def _header(cfg: DispatchConfig, pairs: float, base: str, backend: str) -> str:
 
 
 def _row(r: dict) -> str:
-    ratio = f"{r['ratio']:.2f}" if r["backend"] == "tilecomm" else "(base)"
+    ratio = f"{r['ratio']:.3g}" if r["backend"] == "tilecomm" else "(base)"
     return _COLS.format(r["phase"], r["backend"], f"{r['tokens']}x{r['hidden']}", r["dtype"], f"{r['us']:.1f}",
                         f"{r['gbps']:.4g}", ratio)
 
