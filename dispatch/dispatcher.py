@@ -38,7 +38,7 @@ import torch.distributed as dist
 import tilecomm
 from tilecomm.collectives import Work
 
-from . import engine
+from . import engine, fp8
 from . import low_latency as ll
 from .handle import DispatchHandle, DispatchResult
 
@@ -150,13 +150,33 @@ class Dispatcher:
                 raise ValueError(f"dispatch: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 return_recv_hook: bool = False, async_op: bool = False) -> DispatchResult:
-        """See `_dispatch`; async_op=True runs it on the communication stream and sets `res.work`."""
+                 return_recv_hook: bool = False, async_op: bool = False, use_fp8: bool = False) -> DispatchResult:
+        """See `_dispatch`; async_op=True runs it on the communication stream and sets `res.work`.
+
+        use_fp8 (normal mode, forward only): send e4m3 values + per-128-column scales (dispatch/fp8.py);
+        res.x is float8_e4m3fn [R, H] and res.x_scales float32 [R, H / 128]. Combine stays in `dtype`."""
         with self._on_comm_stream(async_op, [x, topk_idx, topk_weights]) as outputs:
-            res = self._dispatch(x, topk_idx, topk_weights, return_recv_hook)
+            if use_fp8:
+                res = self._dispatch_fp8(x, topk_idx, topk_weights)
+            else:
+                res = self._dispatch(x, topk_idx, topk_weights, return_recv_hook)
             outputs += [res.x, res.weights, res.tokens_per_expert]
         if async_op:
             res.work = Work(res.x)
+        return res
+
+    def _dispatch_fp8(self, x, topk_idx, topk_weights) -> DispatchResult:
+        self._check(x, topk_idx, topk_weights)
+        if self.mode != "normal":
+            raise ValueError("dispatch: use_fp8=True is available in mode='normal'")
+        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
+            raise ValueError("dispatch: use_fp8=True is forward-only; run it under torch.no_grad()")
+        x_fp8, scales = fp8.quantize(x)
+        handle = engine.plan(self._be, topk_idx, self.num_experts, self.rank, self.world_size, self.hidden)
+        rows = engine.dispatch_rows(self._be, handle, x_fp8.view(torch.uint8)).view(torch.float8_e4m3fn)
+        handle.row_weights = engine.dispatch_pairs(self._be, handle, topk_weights)
+        res = DispatchResult(rows, handle.row_weights, handle.tokens_per_expert, handle)
+        res.x_scales = engine.dispatch_rows(self._be, handle, scales)
         return res
 
     def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -60,3 +60,4 @@ class DispatchResult:
     handle: "DispatchHandle | LowLatencyHandle"
     recv_hook: Optional[Callable[[], None]] = None
     work: Optional[object] = None  # with async_op=True: wait() before reading the outputs
+    x_scales: Optional[torch.Tensor] = None  # with use_fp8=True: [R, H / 128] float32 scales of x

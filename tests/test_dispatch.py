@@ -249,3 +249,45 @@ def low_latency_bad_expert_id():
 def test_low_latency_reports_bad_expert_ids(ranks):
     results = ranks(2).run(low_latency_bad_expert_id)
     assert results[1] is None and "expert id 4" in results[0], results
+
+
+def fp8_body(seed, T_by_rank, H, K, E, backend):
+    """FP8 payload: the dispatched e4m3 bytes and scales are exactly the source-quantized rows."""
+    from tilecomm.dispatch import fp8
+
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    x, idx, w = _inputs(seed + rank, T_by_rank[rank], H, K, E, torch.bfloat16)
+    d = Dispatcher(E, H, max(T_by_rank), K, torch.bfloat16, backend=backend)
+    with torch.no_grad():
+        res = d.dispatch(x, idx, w, use_fp8=True)
+    q, scales = fp8.quantize(x)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (q.view(torch.uint8).cpu(), idx.cpu(), w.cpu(), scales.cpu()))
+    qs, idxs, ws, ss = zip(*gathered)
+    want_q, want_w, _ = _global_reference(qs, idxs, ws, rank, E, world)
+    want_s, _, _ = _global_reference(ss, idxs, ws, rank, E, world)
+    assert res.x.dtype == torch.float8_e4m3fn and torch.equal(res.x.view(torch.uint8).cpu(), want_q)
+    assert torch.equal(res.x_scales.cpu(), want_s) and torch.equal(res.weights.cpu(), want_w)
+    approx = fp8.dequantize(res.x, res.x_scales)  # quantization error stays within e4m3's precision
+    full = d.dispatch(x, idx, w).x.float()
+    assert (approx - full).abs().max() <= 0.07 * full.abs().max() + 1e-6
+    y = full.to(torch.bfloat16)
+    torch.testing.assert_close(d.combine(y, res.handle).float(), d.combine(y, d.dispatch(x, idx, w).handle).float())
+
+
+@pytest.mark.parametrize("backend", ["tilecomm", "nccl"])
+def test_fp8_payload(ranks, backend):
+    ranks(3).run(fp8_body, 8, [5, 0, 7], 256, 2, 6, backend)
+
+
+def test_fp8_quantize_roundtrip_and_errors():
+    from tilecomm.dispatch import fp8
+
+    x = torch.randn(5, 256) * torch.logspace(-3, 3, 5)[:, None]
+    x[2, :128] = 0
+    q, s = fp8.quantize(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 2) and s[2, 0] == 1
+    back = fp8.dequantize(q, s)
+    assert ((back - x).abs() <= x.abs().view(5, 2, 128).amax(-1).repeat_interleave(128, 1) / 16 + 1e-12).all()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.quantize(torch.randn(2, 100))
