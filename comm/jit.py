@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy as np
 import torch
+import triton.language as tl
 from triton.runtime import interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction, InterpreterError
 from triton.runtime.jit import JITFunction
@@ -40,7 +42,29 @@ def _install_numpy2_index_fix() -> None:
     _interp._patch_lang_tensor = patched
 
 
+def _install_bf16_dot_fix() -> None:
+    """Triton 3.6's interpreter multiplies bfloat16 operands of tl.dot as their raw uint16 bits.
+    Widen them to float32 first (exact), as the GPU's bf16 MMA effectively does."""
+    builder = _interp.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_tilecomm_fixed", False):
+        return
+
+    def widen(handle):
+        if handle.dtype.scalar == tl.bfloat16:
+            bits = handle.data.astype(np.uint32) << 16
+            return _interp.TensorHandle(bits.view(np.float32), tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._tilecomm_fixed = True
+    builder.create_dot = create_dot
+
+
 _install_numpy2_index_fix()
+_install_bf16_dot_fix()
 
 
 _INTERPRETED_HELPERS: dict = {}

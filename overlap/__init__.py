@@ -1,4 +1,14 @@
-"""tilecomm.overlap: tile-level fused compute + communication kernels (all-gather+GEMM,
-GEMM+reduce-scatter). Not built yet: see the project's overlap issue. Importing it is safe;
-it exports nothing so far."""
-__all__: list = []
+"""tilecomm.overlap: tile-level fused compute + communication (TileLink style).
+
+    ag_gemm(a_shard [m, K], b [K, n])  = all_gather(a_shard) @ b            -> [W*m, n]
+    gemm_rs(a [M, k], b [k, N])        = my row block of sum_r a_r @ b_r     -> [M/W, N]
+    ColumnParallelLinear / RowParallelLinear: sequence-parallel TP layers built on the two.
+    matmul(a, b): the persistent tile GEMM alone (to compare with cuBLAS).
+"""
+from .ag_gemm import ag_gemm, ag_gemm_reference
+from .gemm_rs import gemm_rs, gemm_rs_reference
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .tiles import GemmConfig, matmul
+
+__all__ = ["ag_gemm", "ag_gemm_reference", "gemm_rs", "gemm_rs_reference", "ColumnParallelLinear",
+           "RowParallelLinear", "GemmConfig", "matmul"]

@@ -1,0 +1,117 @@
+"""Tensor-parallel linear layers with sequence parallelism, on ag_gemm and gemm_rs.
+
+Shapes (W ranks, s tokens in the sequence, each rank holding s/W of them between layers):
+
+    ColumnParallelLinear(in_features, out_features):  x [s/W, in] -> y [s, out/W]
+        forward  y = ag_gemm(x, w)                  w = this rank's [in, out/W] column block
+        backward dx = gemm_rs(dy, w^T) [s/W, in];   dw = all_gather(x)^T @ dy
+    RowParallelLinear(in_features, out_features):     x [s, in/W] -> y [s/W, out]
+        forward  y = gemm_rs(x, w)                  w = this rank's [in/W, out] row block
+        backward dx = ag_gemm(dy, w^T) [s, in/W];   dw = x^T @ all_gather(dy)
+
+A Column layer followed by a Row layer is the Megatron MLP/attention pattern: no communication
+between them, one all-gather before and one reduce-scatter after, both fused into the GEMMs.
+`from_linear` shards a single-device nn.Linear, so results can be compared with it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+import tilecomm
+
+from .ag_gemm import ag_gemm
+from .gemm_rs import gemm_rs
+
+
+class _ColumnParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        y, gathered = ag_gemm(x.contiguous(), w, return_gathered=True)
+        ctx.save_for_backward(gathered, w)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gathered, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        return gemm_rs(dy, w.t()), gathered.t() @ dy
+
+
+class _RowParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return gemm_rs(x.contiguous(), w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx, dy_full = ag_gemm(dy.contiguous(), w.t(), return_gathered=True)
+        return dx, x.t() @ dy_full
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, split_dim: int, dtype, device):
+        super().__init__()
+        self.world, self.rank = tilecomm.world_size(), tilecomm.rank()
+        split = (in_features, out_features)[split_dim]
+        if split % self.world:
+            raise ValueError(f"{type(self).__name__}: {('in', 'out')[split_dim]}_features={split} must divide by "
+                             f"the world size ({self.world})")
+        shape = [in_features, out_features]
+        shape[split_dim] //= self.world
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))  # [in(/W), out(/W)]
+        bias_len = out_features // self.world if split_dim == 1 else out_features
+        self.bias = nn.Parameter(torch.zeros(bias_len, dtype=dtype, device=device)) if bias else None
+        nn.init.kaiming_uniform_(self.weight.t(), a=5 ** 0.5)
+
+    def load_from_linear(self, linear: nn.Linear, split_dim: int) -> None:
+        """Copy this rank's block of a full nn.Linear (weight [out, in]) into the shard."""
+        full = linear.weight.detach().t()  # [in, out]
+        size = full.shape[split_dim] // self.world
+        block = full.narrow(split_dim, self.rank * size, size)
+        with torch.no_grad():
+            self.weight.copy_(block)
+            if self.bias is not None:
+                b = linear.bias.detach()
+                self.bias.copy_(b.narrow(0, self.rank * size, size) if split_dim == 1 else b)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """x [s/W, in] (this rank's sequence shard) -> y [s, out/W] (all tokens, this rank's columns)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None):
+        super().__init__(in_features, out_features, bias, 1, dtype, device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "ColumnParallelLinear":
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                    linear.weight.device)
+        layer.load_from_linear(linear, 1)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ColumnParallel.apply(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """x [s, in/W] (all tokens, this rank's input columns) -> y [s/W, out] (this rank's sequence shard)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None):
+        super().__init__(in_features, out_features, bias, 0, dtype, device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "RowParallelLinear":
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                    linear.weight.device)
+        layer.load_from_linear(linear, 0)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _RowParallel.apply(x, self.weight)
+        return y + self.bias if self.bias is not None else y
