@@ -4,6 +4,7 @@ read from the PTX. Run as a script (the transport is read at import: set TILECOM
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -20,6 +21,10 @@ from tilecomm.dispatch import layout as dl  # noqa: E402
 from tilecomm.dispatch import low_latency as ll  # noqa: E402
 from tilecomm.dispatch import rows as dr  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
+from tilecomm.overlap import tiles as ot  # noqa: E402
+
+og = importlib.import_module("tilecomm.overlap.ag_gemm")  # the package re-exports functions of these names
+rs = importlib.import_module("tilecomm.overlap.gemm_rs")
 
 I64P, I64 = "*i64", "i64"
 CASES = [
@@ -56,6 +61,23 @@ CASES = [
     (ll._reduce_kernel, {"back_x_ptr": "*bf16", "idx_ptr": I64P, "w_ptr": "*fp32", "slot_ptr": I64P,
                          "back_sig_ptr": I64P, "handle_epoch_ptr": I64P, "out_ptr": "*bf16", "K": "i32", "H": "i32",
                          "E_L": "i32", "W": "i32", "M": "i32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 256}),
+    (og._push_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "flags_ptr": I64P, "consumed_ptr": I64P, "epoch": I64,
+                       "m": "i32", "K": "i32", "W": "i32", "BLOCK_M": "constexpr"}, {"BLOCK_M": 128}),
+    (og._gemm_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": I64P,
+                       "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "W": "i32", "stride_bk": "i32",
+                       "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+     {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
+    (rs._gemm_push_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
+                            "consumed_ptr": I64P, "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "W": "i32",
+                            "stride_bk": "i32", "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                            "BLOCK_K": "constexpr"}, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
+    (rs._reduce_kernel, {"recv_ptr": "*bf16", "flags_ptr": I64P, "out_ptr": "*bf16", "epoch": I64, "mb": "i32",
+                         "N": "i32", "W": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+     {"BLOCK_M": 128, "BLOCK_N": 256}),
+    (ot._matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                         "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
+                         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+     {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
 ]
 
 
@@ -65,13 +87,15 @@ def main() -> None:
     for fn, sig, consts in CASES:
         names = list(sig)
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"extern_libs": libs})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"extern_libs": libs, "num_warps": 8, "num_stages": 3})
         ptx = kernel.asm["ptx"]
         print(json.dumps({
             "kernel": fn.__name__, "cubin_bytes": len(kernel.asm["cubin"]),
             "release_sys_atomic": "sys.release" in ptx, "acquire_sys_atomic": "sys.acquire" in ptx,
             "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
-            "state_addr_inlined": str(0x7F0000001000) in ptx,
+            "state_addr_inlined": str(0x7F0000001000) in ptx, "wgmma": "wgmma" in ptx,
+            "local_memory": ".local" in ptx, "shared_bytes": kernel.metadata.shared,
         }))
 
 
