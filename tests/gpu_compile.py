@@ -91,7 +91,7 @@ def main() -> None:
                                 options={"extern_libs": libs, "num_warps": 8, "num_stages": 3})
         ptx = kernel.asm["ptx"]
         print(json.dumps({
-            "kernel": fn.__name__, "cubin_bytes": len(kernel.asm["cubin"]),
+            "kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", "cubin_bytes": len(kernel.asm["cubin"]),
             "release_sys_atomic": "sys.release" in ptx, "acquire_sys_atomic": "sys.acquire" in ptx,
             "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
             "state_addr_inlined": str(0x7F0000001000) in ptx, "wgmma": "wgmma" in ptx,

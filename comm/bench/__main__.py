@@ -1,4 +1,4 @@
-"""`python -m tilecomm.bench {all_to_all,all_gather,reduce_scatter,dispatch} [options]` (see tilecomm.bench).
+"""`python -m tilecomm.bench {all_to_all,all_gather,reduce_scatter,dispatch,ag_gemm,gemm_rs} [options]` (see tilecomm.bench).
 
 Under torchrun (RANK and WORLD_SIZE set) every process is one rank: torch.distributed is
 initialised here (NCCL on GPUs, gloo on CPU), then tilecomm.init. Otherwise the command spawns
@@ -15,6 +15,7 @@ from typing import List, Tuple
 import torch
 
 from . import dispatch as dispatch_bench
+from . import overlap as overlap_bench
 from .collectives import OPS, BenchMismatch, Config, heap_bytes_needed, make_case, run_rank
 
 # (GPU, CPU) defaults
@@ -25,7 +26,7 @@ _DEFAULTS = {"rows": ("4096,128", "64"), "hidden": (7168, 128), "shape": ("8192x
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tilecomm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("op", choices=OPS + ("dispatch",))
+    p.add_argument("op", choices=OPS + ("dispatch",) + overlap_bench.OPS)
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: cuda when torch sees a GPU, else cpu (gloo baseline, timings not meaningful)")
     p.add_argument("--world-size", type=int, default=None,
@@ -37,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, help="dispatch: distinct experts per token (default 8; cpu 4)")
     p.add_argument("--shape", help="all_gather: gathered output, reduce_scatter: input before scattering; "
                                    "comma list of RxC (default 8192x8192; cpu 64x128)")
+    p.add_argument("--shapes", help="ag_gemm: comma list of MxKxn, gemm_rs: of MxkxN (M = total rows; "
+                                    "default: the TP=W bar shapes; cpu 48x32x40,72x48x24)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 (cpu float32)")
     p.add_argument("--symmetric", action="store_true",
                    help="allocate inputs with tilecomm.empty (used in place, no staging copy)")
@@ -139,6 +142,12 @@ def main(argv=None) -> int:
         except ValueError as err:
             p.error(str(err))
         body, heap = dispatch_bench.run_rank, dispatch_bench.heap_bytes(cfg, world)
+    elif args.op in overlap_bench.OPS:
+        try:
+            cfg = overlap_bench.config_from_args(args, backend, world)
+        except ValueError as err:
+            p.error(str(err))
+        body, heap = overlap_bench.run_rank, overlap_bench.heap_bytes(cfg, world)
     else:
         cfg = _config(args, backend, world, p)
         body, heap = run_rank, _heap_bytes(cfg, world)
