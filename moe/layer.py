@@ -1,0 +1,183 @@
+"""`MoELayer` = Router + dispatcher + this rank's GroupedSwiGLUExperts (+ optional SharedExpert).
+
+    layer = MoELayer(MoEConfig(hidden=64, ffn_hidden=128, num_experts=8, topk=2,
+                               router=dict(aux_loss_coeff=1e-2)), dispatcher="tilecomm")
+    y, aux_loss = layer(x)      # x [B, S, H] or [T, H] (config.dtype) -> y (same shape), scalar aux_loss
+
+The dispatcher is the only parallel piece; the math is in router.py / experts.py. Anything with the
+Dispatcher interface works (`num_experts`, `rank`, `world_size`, `num_local_experts`, `dispatch(x, idx,
+w) -> res` with res.x [R, H] expert-major, res.tokens_per_expert [E_l], res.handle, and
+`combine(y, handle) -> [T, H]`): a tilecomm.dispatch.Dispatcher (EP over the world: rank r owns experts
+r*E/EP ... (r+1)*E/EP - 1) or `LocalDispatcher` (EP = 1, pure torch, no distributed runtime).
+
+Initialisation is per global id from config.seed (router: slot 0, expert e: slot 1 + e, shared expert:
+slot 1 + E; see experts.expert_generator), so layers built with the same config on EP = 1, 2, 3 ...
+hold the same router and shared weights and matching expert slices. `shard_expert_state` cuts an EP = 1
+state dict into one rank's state (e.g. to load a checkpoint into an EP layer).
+
+Gradients under EP: router / shared-expert parameters are replicated (all-reduce their gradients over
+the ranks); expert gradients are local and already include every rank's tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from tilecomm.dispatch.handle import DispatchResult
+
+from .experts import GroupedSwiGLUExperts, SharedExpert, expert_generator
+from .router import Router, RouterConfig
+
+EXPERT_PARAMS = ("experts.w_gate_up", "experts.w_down")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    hidden: int
+    ffn_hidden: int
+    num_experts: int
+    topk: int
+    router: Union[RouterConfig, dict, None] = None  # RouterConfig, or its other fields as a dict
+    num_shared_experts: int = 0  # > 0: one dense SwiGLU of shared_ffn_hidden (default n * ffn_hidden)
+    shared_ffn_hidden: Optional[int] = None
+    dtype: torch.dtype = torch.float32  # experts, shared expert and the tokens (the router is fp32)
+    seed: int = 0
+    init_std: float = 0.02
+    max_tokens_per_rank: int = 65536  # for the default tilecomm Dispatcher
+    experts_impl: str = "auto"  # "auto" | "grouped" | "loop"
+
+    def router_config(self) -> RouterConfig:
+        r = self.router
+        if isinstance(r, RouterConfig):
+            if (r.num_experts, r.topk) != (self.num_experts, self.topk):
+                raise ValueError("MoEConfig: router.num_experts / router.topk differ from the layer's")
+            return r
+        return RouterConfig(num_experts=self.num_experts, topk=self.topk, **(r or {}))
+
+
+@dataclass
+class LocalHandle:
+    """pair_row [T, K]: row of pair (t, k), -1 if none; row_token [R]; row_weights [R] float32."""
+    num_tokens: int
+    pair_row: torch.Tensor
+    row_token: torch.Tensor
+    row_weights: torch.Tensor
+
+
+class LocalDispatcher:
+    """EP = 1 permute / unpermute with the Dispatcher interface, in plain (differentiable) torch ops.
+    Rows are expert-major, then token index (the same order a Dispatcher gives, with one rank)."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, num_experts: int, hidden: int, topk: int, dtype: Optional[torch.dtype] = None):
+        self.num_experts = self.num_local_experts = num_experts
+        self.hidden, self.topk, self.dtype = hidden, topk, dtype
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        T, K = topk_idx.shape
+        idx = topk_idx.long().flatten()
+        pairs = torch.nonzero(idx >= 0).flatten()
+        order = torch.sort(idx[pairs] * max(T * K, 1) + pairs, stable=True).indices  # expert, then pair
+        pairs = pairs[order]
+        pair_row = torch.full((T * K,), -1, dtype=torch.int64, device=x.device)
+        pair_row[pairs] = torch.arange(pairs.numel(), device=x.device)
+        row_token = pairs // K
+        weights = topk_weights.float().flatten()[pairs]
+        counts = torch.bincount(idx[pairs], minlength=self.num_experts)
+        handle = LocalHandle(T, pair_row.view(T, K), row_token, weights)
+        return DispatchResult(x[row_token], weights, counts, handle)
+
+    def combine(self, y: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
+        """out[t] = sum_k w[t, k] * y[row(t, k)], accumulated in fp32 (or wider) in k order."""
+        acc = torch.promote_types(y.dtype, torch.float32)
+        weighted = y.to(acc) * handle.row_weights.to(acc)[:, None]
+        padded = torch.cat([weighted, weighted.new_zeros(1, y.shape[1])])
+        rows = torch.where(handle.pair_row >= 0, handle.pair_row, y.shape[0])
+        return padded[rows].sum(1).to(y.dtype)
+
+
+def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None):
+    """"local" (LocalDispatcher), "tilecomm" / "nccl" (tilecomm.dispatch.Dispatcher over the EP world),
+    or "auto": tilecomm when its runtime is up with more than one rank, else local."""
+    if kind == "auto":
+        import tilecomm
+        kind = "tilecomm" if tilecomm.is_initialized() and tilecomm.world_size() > 1 else "local"
+    if kind == "local":
+        return LocalDispatcher(config.num_experts, config.hidden, config.topk, config.dtype)
+    from tilecomm.dispatch import Dispatcher
+    return Dispatcher(config.num_experts, config.hidden, config.max_tokens_per_rank, config.topk, config.dtype,
+                      group=group, backend=kind)
+
+
+class MoELayer(nn.Module):
+    """See the module docstring. `dispatcher`: an object with the Dispatcher interface, a kind for
+    make_dispatcher ("auto", "local", "tilecomm", "nccl"), or None (= "auto")."""
+
+    def __init__(self, config: MoEConfig, dispatcher=None, device=None):
+        super().__init__()
+        self.config = config
+        if dispatcher is None or isinstance(dispatcher, str):
+            dispatcher = make_dispatcher(config, dispatcher or "auto")
+        self._check_dispatcher(dispatcher)
+        self.dispatcher = dispatcher  # plain attribute: swap it for another of the same EP geometry
+        self.ep_rank, self.ep_size = dispatcher.rank, dispatcher.world_size
+        E_l = config.num_experts // self.ep_size
+        if device is None:
+            device = getattr(dispatcher, "device", None)
+        c = config
+        self.router = Router(c.router_config(), c.hidden, device=device, generator=expert_generator(c.seed, 0),
+                             init_std=c.init_std)
+        self.experts = GroupedSwiGLUExperts(E_l, c.hidden, c.ffn_hidden, c.dtype, device=device, impl=c.experts_impl,
+                                            first_expert=self.ep_rank * E_l, seed=c.seed, init_std=c.init_std)
+        self.shared = None
+        if c.num_shared_experts:
+            self.shared = SharedExpert(c.hidden, c.shared_ffn_hidden or c.num_shared_experts * c.ffn_hidden, c.dtype,
+                                       device=device, generator=expert_generator(c.seed, 1 + c.num_experts),
+                                       init_std=c.init_std)
+
+    @property
+    def local_experts(self) -> range:
+        """Global ids of the experts this layer holds."""
+        n = self.experts.num_local_experts
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
+
+    def _check_dispatcher(self, d) -> None:
+        c = self.config
+        if d.num_experts != c.num_experts or getattr(d, "topk", c.topk) != c.topk or getattr(d, "hidden", c.hidden) != c.hidden:
+            raise ValueError("MoELayer: the dispatcher's num_experts / topk / hidden differ from the config's")
+        if hasattr(self, "ep_rank") and (d.rank, d.world_size) != (self.ep_rank, self.ep_size):
+            raise ValueError("MoELayer: a new dispatcher must have the same EP rank and size as the experts")
+
+    def __setattr__(self, name, value):
+        if name == "dispatcher" and "dispatcher" in self.__dict__:
+            self._check_dispatcher(value)
+        super().__setattr__(name, value)
+
+    def forward(self, x: torch.Tensor):
+        """x [B, S, H] or [T, H] -> (y like x, aux_loss scalar float32). [B, S, H] gives the router
+        seq_len = S (for the sequence-level aux loss)."""
+        if x.dim() not in (2, 3) or x.shape[-1] != self.config.hidden:
+            raise ValueError(f"MoELayer: x must be [B, S, {self.config.hidden}] or [T, {self.config.hidden}], got {tuple(x.shape)}")
+        tokens = x.reshape(-1, x.shape[-1])
+        r = self.router(tokens, seq_len=x.shape[1] if x.dim() == 3 else None)
+        res = self.dispatcher.dispatch(tokens, r.topk_idx, r.topk_weights)
+        y = self.dispatcher.combine(self.experts(res.x, res.tokens_per_expert), res.handle)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        return y.view(x.shape), r.aux_loss
+
+
+def shard_expert_state(state: dict, ep_rank: int, ep_size: int, num_experts: int) -> dict:
+    """An EP = 1 MoELayer state dict -> the state of EP rank ep_rank of ep_size (expert slices cut,
+    everything else copied)."""
+    if num_experts % ep_size:
+        raise ValueError(f"shard_expert_state: {num_experts} experts do not split over {ep_size} ranks")
+    n = num_experts // ep_size
+    return {k: (v[ep_rank * n:(ep_rank + 1) * n].clone() if k in EXPERT_PARAMS else v.clone()) for k, v in state.items()}
+
+
+__all__ = ["MoEConfig", "MoELayer", "LocalDispatcher", "LocalHandle", "make_dispatcher", "shard_expert_state"]

@@ -1,0 +1,133 @@
+"""A small decoder-only transformer with MoE blocks: RMSNorm, RoPE, SDPA attention, SwiGLU MLPs.
+
+Model math only: the MoE block gets its layer from `moe_layer(layer_index)` (see moe/layer.py), so
+how tokens reach experts (one process, or expert parallel over tilecomm/NCCL) is decided outside.
+
+    tokens [B, S] int64 -> logits [B, S, V], aux_loss (sum of the MoE layers' router losses)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden: int          # dense MLP width (dense-prefix layers)
+    num_dense_layers: int = 1  # the first layers use a dense MLP, the rest MoE
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    recompute: bool = False  # activation recompute per block
+
+    def __post_init__(self):
+        if self.hidden % self.num_heads:
+            raise ValueError(f"ModelConfig: hidden={self.hidden} must divide by num_heads={self.num_heads}")
+        if (self.hidden // self.num_heads) % 2:
+            raise ValueError("ModelConfig: the head dimension (hidden / num_heads) must be even for RoPE")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(f"ModelConfig: num_dense_layers={self.num_dense_layers} must be in [0, num_layers]")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # (S, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x (B, nh, S, D): rotate pairs (x[2i], x[2i+1]) by position-dependent angles."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[: x.shape[2]].to(x.dtype), sin[: x.shape[2]].to(x.dtype)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.hd = cfg.num_heads, cfg.hidden // cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, S, H = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4)  # each (B, nh, S, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, S, H))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn_hidden, bias=False)
+        self.down = nn.Linear(ffn_hidden, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up), x.new_zeros(())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(cfg.hidden), RMSNorm(cfg.hidden)
+        self.attn, self.mlp = Attention(cfg), mlp
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm1(x), cos, sin)
+        y, aux = self.mlp(self.norm2(x))
+        return x + y, aux
+
+
+class Transformer(nn.Module):
+    """moe_layer(i) -> a module mapping x (B, S, H) to (y, aux_loss), for layers i >= num_dense_layers."""
+
+    def __init__(self, cfg: ModelConfig, moe_layer: Optional[Callable[[int], nn.Module]] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        mlps = [DenseMLP(cfg.hidden, cfg.ffn_hidden) if i < cfg.num_dense_layers or moe_layer is None else moe_layer(i)
+                for i in range(cfg.num_layers)]
+        self.blocks = nn.ModuleList(Block(cfg, m) for m in mlps)
+        self.norm = RMSNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.hidden // cfg.num_heads, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        for name, p in self.named_parameters():  # GPT-2 style init; residual projections scaled down
+            if p.dim() >= 2 and "experts" not in name:
+                std = 0.02 / math.sqrt(2 * cfg.num_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens):
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.cfg.max_seq_len}")
+        x = self.embed(tokens)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            if self.cfg.recompute and self.training:
+                x, a = checkpoint(block, x, self.cos, self.sin, use_reentrant=False)
+            else:
+                x, a = block(x, self.cos, self.sin)
+            aux = aux + a.float()
+        return self.head(self.norm(x)), aux

@@ -1,0 +1,208 @@
+"""Training loop: AdamW with warm-up + cosine, bf16 autocast on GPU, gradient clipping, expert-parallel
+gradient reduction, DCP checkpoints, a progress bar, a JSONL log and a loss-curve PNG.
+
+Gradient reduction under MoE Parallel Folding: dense parameters are averaged over the data-parallel
+group; expert parameters are summed over the expert-data-parallel group and divided by the
+data-parallel size too (combine's backward already brought every rank's tokens' gradients to the
+expert, and the objective is the mean of the data-parallel ranks' losses).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    out_dir: str = "runs/pretrain_moe"
+    checkpoint_every: int = 0  # 0: only at the end
+    resume: bool = False
+    peak_flops: Optional[float] = 989e12  # bf16 dense peak of one H100/H200, for MFU (None: not reported)
+    progress: bool = True
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name or name.startswith("experts.")
+
+
+class Trainer:
+    """model(tokens) -> (logits, aux_loss); data.batch(step, dp_rank, B, S) -> tokens [B, S+1]."""
+
+    def __init__(self, model: nn.Module, data, cfg: TrainConfig, *, dp_group=None, edp_group=None, ep_group=None,
+                 dp_rank: int = 0, ep_rank: int = 0, flops_per_token: float = 0.0, config_record: Optional[dict] = None,
+                 log: Callable[[str], None] = print):
+        self.model, self.data, self.cfg = model, data, cfg
+        self.dp_group, self.edp_group, self.ep_group = dp_group, edp_group, ep_group
+        self.dp_rank, self.ep_rank = dp_rank, ep_rank
+        self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.flops_per_token, self.log = flops_per_token, log
+        self.device = next(model.parameters()).device
+        # what a checkpoint must agree on to resume (not where it is, how it reports or that it resumes)
+        curve = {k: v for k, v in asdict(cfg).items() if k not in ("out_dir", "resume", "progress", "checkpoint_every")}
+        self.config_record = dict(config_record or {}, train=curve)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.step = 0
+        if cfg.resume:
+            self.step = checkpoint.load(self._ckpt_dir(), model, self.opt, is_expert_param, ep_rank, self.config_record)
+
+    def _ckpt_dir(self) -> str:
+        return os.path.join(self.cfg.out_dir, "checkpoint")
+
+    def _sync_grads(self) -> None:
+        if not dist.is_initialized():
+            return
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            group = self.edp_group if is_expert_param(name) else self.dp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+            p.grad.div_(self.dp_size)
+
+    def _clip(self) -> float:
+        dense = sum(p.grad.float().pow(2).sum() for n, p in self.model.named_parameters() if not is_expert_param(n))
+        expert = sum((p.grad.float().pow(2).sum() for n, p in self.model.named_parameters() if is_expert_param(n)),
+                     torch.zeros((), device=self.device))
+        if dist.is_initialized() and self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            dist.all_reduce(expert, group=self.ep_group)
+        norm = float((dense + expert).sqrt())
+        if self.cfg.grad_clip and norm > self.cfg.grad_clip:
+            for p in self.model.parameters():
+                p.grad.mul_(self.cfg.grad_clip / (norm + 1e-6))
+        return norm
+
+    def train_step(self) -> dict:
+        cfg, start = self.cfg, time.perf_counter()
+        tokens = self.data.batch(self.step, self.dp_rank, cfg.batch_size, cfg.seq_len).to(self.device)
+        use_bf16 = self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            logits, aux = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        (loss + aux).backward()
+        self._sync_grads()
+        norm = self._clip()
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, cfg)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(mean_loss, group=self.dp_group)
+            mean_loss /= self.dp_size
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tok_s = cfg.batch_size * cfg.seq_len * self.dp_size / seconds
+        mfu = tok_s * self.flops_per_token / (cfg.peak_flops * self.dp_size) if self.flops_per_token and cfg.peak_flops else None
+        record = dict(step=self.step, loss=float(mean_loss), aux_loss=float(aux.detach()), grad_norm=norm,
+                      lr=lr_at(self.step, cfg), tokens_per_s=tok_s, mfu=mfu, seconds=seconds)
+        self.step += 1
+        return record
+
+    def train(self, stop_at: Optional[int] = None) -> List[dict]:
+        """Train to cfg.steps (or stop early at step `stop_at`, as an interrupted run would), then checkpoint."""
+        cfg = self.cfg
+        last = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        history: List[dict] = []
+        bar = _progress(last - self.step, enabled=self.is_main and cfg.progress)
+        log_path = os.path.join(cfg.out_dir, "log.jsonl")
+        with open(log_path, "a" if cfg.resume else "w") if self.is_main else open(os.devnull, "w") as log_file:
+            while self.step < last:
+                rec = self.train_step()
+                history.append(rec)
+                log_file.write(json.dumps(rec) + "\n")
+                log_file.flush()
+                bar.update(rec)
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < last:
+                    self.save()
+        bar.close()
+        self.save()
+        if self.is_main:
+            plot_losses(log_path, os.path.join(cfg.out_dir, "loss.png"), getattr(self.data, "entropy_floor", None))
+        return history
+
+    def save(self) -> None:
+        checkpoint.save(self._ckpt_dir(), self.step, self.model, self.opt, is_expert_param, self.ep_rank,
+                        self.config_record)
+
+
+class _progress:
+    """tqdm bar with loss / tokens per second / MFU (plain lines if tqdm is missing)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        mfu = "n/a" if rec["mfu"] is None else f"{100 * rec['mfu']:.2f}%"
+        text = f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:.0f} tok/s | MFU {mfu}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+            self.bar.update(1)
+        else:
+            print(f"step {rec['step']:5d} | {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_losses(log_path: str, png_path: str, floor: Optional[float]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [json.loads(line) for line in open(log_path)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="training loss")
+    if floor is not None:
+        ax.axhline(floor, color="gray", linestyle="--", label=f"entropy floor {floor:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
