@@ -17,7 +17,6 @@ tokens). Output in --out: log.jsonl (one line per step), loss.png, and a DCP che
 (`--resume` continues from it and reproduces the same loss curve).
 """
 import argparse
-import math
 import os
 
 import torch
@@ -28,10 +27,10 @@ from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, Parall
                           Trainer, Transformer)
 
 PRESETS = {
-    # 2 CPU cores: ~100k parameters, 4 experts of which 2 per token
+    # 2 CPU cores: ~50k parameters, 12 experts (splits over 2, 3, 4 or 6 ranks) of which 2 per token
     "cpu-tiny": dict(model=dict(vocab_size=64, hidden=32, num_layers=2, num_heads=4, ffn_hidden=64, num_dense_layers=1,
                                 max_seq_len=32),
-                     moe=dict(num_experts=4, topk=2, ffn_hidden=32),
+                     moe=dict(num_experts=12, topk=2, ffn_hidden=16),
                      train=dict(batch_size=8, seq_len=32, steps=60, lr=1e-2, warmup_steps=5)),
     # 4 x H200: ~2.5B parameters (~0.45B active), 64 fine-grained experts, top-6
     "h200x4": dict(model=dict(vocab_size=32768, hidden=1536, num_layers=12, num_heads=12, ffn_hidden=6144,
@@ -46,10 +45,12 @@ def build(args, world: int, rank: int, device: torch.device):
     data = TokenFile(args.data) if args.data else MarkovSource(vocab=preset["model"]["vocab_size"], seed=args.seed)
     mcfg = ModelConfig(**dict(preset["model"], vocab_size=data.vocab), recompute=args.recompute)
     moe = preset["moe"]
-    experts = moe["num_experts"] * world // math.gcd(moe["num_experts"], world)  # must split over the ranks
+    if moe["num_experts"] % world:
+        raise ValueError(f"preset {args.preset!r}: num_experts={moe['num_experts']} does not split over {world} ranks "
+                         "(expert parallelism needs num_experts divisible by the world size)")
     tcfg = TrainConfig(**dict(preset["train"], **({"steps": args.steps} if args.steps else {})), out_dir=args.out,
                        resume=args.resume, progress=rank == 0, peak_flops=989e12 if device.type == "cuda" else None)
-    moe_cfg = MoEConfig(hidden=mcfg.hidden, ffn_hidden=moe["ffn_hidden"], num_experts=experts, topk=moe["topk"],
+    moe_cfg = MoEConfig(hidden=mcfg.hidden, ffn_hidden=moe["ffn_hidden"], num_experts=moe["num_experts"], topk=moe["topk"],
                         router=dict(aux_loss_coeff=1e-2), seed=args.seed,
                         max_tokens_per_rank=tcfg.batch_size * tcfg.seq_len)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
