@@ -54,6 +54,8 @@ class _RowParallel(torch.autograd.Function):
 
 
 class _ParallelLinear(nn.Module):
+    SPLIT_DIM = 0  # which dimension of the [in, out] weight is split over the ranks
+
     def __init__(self, in_features: int, out_features: int, bias: bool, split_dim: int, dtype, device):
         super().__init__()
         self.world, self.rank = tilecomm.world_size(), tilecomm.rank()
@@ -68,6 +70,14 @@ class _ParallelLinear(nn.Module):
         bias_len = out_features // self.world if split_dim == 1 else out_features
         self.bias = nn.Parameter(torch.zeros(bias_len, dtype=dtype, device=device)) if bias else None
         nn.init.kaiming_uniform_(self.weight.t(), a=5 ** 0.5)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear):
+        """This rank's shard of a single-device nn.Linear (weight [out, in])."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
+                    linear.weight.device)
+        layer.load_from_linear(linear, cls.SPLIT_DIM)
+        return layer
 
     def load_from_linear(self, linear: nn.Linear, split_dim: int) -> None:
         """Copy this rank's block of a full nn.Linear (weight [out, in]) into the shard."""
@@ -84,15 +94,10 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """x [s/W, in] (this rank's sequence shard) -> y [s, out/W] (all tokens, this rank's columns)."""
 
+    SPLIT_DIM = 1
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None):
         super().__init__(in_features, out_features, bias, 1, dtype, device)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "ColumnParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                    linear.weight.device)
-        layer.load_from_linear(linear, 1)
-        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _ColumnParallel.apply(x, self.weight)
@@ -102,15 +107,10 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """x [s, in/W] (all tokens, this rank's input columns) -> y [s/W, out] (this rank's sequence shard)."""
 
+    SPLIT_DIM = 0
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None):
         super().__init__(in_features, out_features, bias, 0, dtype, device)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "RowParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                    linear.weight.device)
-        layer.load_from_linear(linear, 0)
-        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _RowParallel.apply(x, self.weight)

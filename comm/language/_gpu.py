@@ -143,8 +143,9 @@ def _delta(pe):
 
 
 @triton.jit
-def _mapped(pe):
-    return tl.load(_state_ptr() + 8 + pe) != 0
+def _via_nvshmem(pe):
+    """True where pe must be reached by NVSHMEM calls: no mapping, or TILECOMM_TRANSPORT=nvshmem."""
+    return (tl.load(_state_ptr() + 8 + pe) == 0) | TRANSPORT_NVSHMEM
 
 
 @triton.jit
@@ -199,24 +200,18 @@ def _nbytes(ptr, nelems):
 
 @triton.jit
 def put(dst, src, nelems, pe):
-    delta = _delta(pe)
-    if TRANSPORT_NVSHMEM:
-        _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
-    elif not _mapped(pe):
+    if _via_nvshmem(pe):
         _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
-        _copy((dst.to(tl.int64) + delta).to(dst.dtype), src, nelems)
+        _copy((dst.to(tl.int64) + _delta(pe)).to(dst.dtype), src, nelems)
 
 
 @triton.jit
 def get(dst, src, nelems, pe):
-    delta = _delta(pe)
-    if TRANSPORT_NVSHMEM:
-        _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
-    elif not _mapped(pe):
+    if _via_nvshmem(pe):
         _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
-        _copy(dst, (src.to(tl.int64) + delta).to(src.dtype), nelems)
+        _copy(dst, (src.to(tl.int64) + _delta(pe)).to(src.dtype), nelems)
 
 
 @triton.jit
@@ -228,13 +223,10 @@ def _signal_nvshmem(sig, value, pe, op: tl.constexpr):
 @triton.jit
 def signal(sig, value, pe, op: tl.constexpr):
     tl.debug_barrier()  # every thread of the program has issued its stores
-    delta = _delta(pe)
-    if TRANSPORT_NVSHMEM:
-        _signal_nvshmem(sig, value, pe, op)
-    elif not _mapped(pe):
+    if _via_nvshmem(pe):
         _signal_nvshmem(sig, value, pe, op)
     else:
-        target = (sig.to(tl.int64) + delta).to(sig.dtype)
+        target = (sig.to(tl.int64) + _delta(pe)).to(sig.dtype)
         if op == 9:
             tl.atomic_xchg(target, tl.cast(value, sig.dtype.element_ty), sem="release", scope="sys")
         else:
