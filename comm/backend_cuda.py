@@ -49,7 +49,10 @@ def _register_module_hook(*, key, fn, compile, **_):
 
 def create_heap(boot, nbytes: int) -> SymmetricHeap:
     nvshmem = _nvshmem()
-    from cuda.core.experimental import Device
+    try:
+        from cuda.core import Device
+    except ImportError:  # cuda-core < 0.5 keeps it under .experimental
+        from cuda.core.experimental import Device
 
     dev_index = torch.cuda.current_device()
     Device(dev_index).set_current()
@@ -63,9 +66,10 @@ def create_heap(boot, nbytes: int) -> SymmetricHeap:
     peers = []
     for pe in range(boot.world_size):
         try:
-            peers.append(nvshmem.interop.torch.get_peer_tensor(local, pe))
+            view = nvshmem.interop.torch.get_peer_tensor(local, pe)
         except Exception:  # no load/store mapping to pe (another node): NVSHMEM calls reach it
-            peers.append(None)
+            view = None
+        peers.append(view if view is not None and view.data_ptr() != 0 else None)
     torch.cuda.synchronize()
     boot.barrier()
     heap = SymmetricHeap(local, peers, boot.rank)

@@ -138,10 +138,11 @@ class TileKernel(JITFunction):
                 if unwrapped is err:
                     raise
                 raise unwrapped.with_traceback(None) from None
-        runtime.check_errors()
-        from .language import _gpu
+        if runtime.is_initialized():  # kernels may use tilecomm.language: link NVSHMEM's device library
+            runtime.check_errors()
+            from .language import _gpu
 
-        kwargs = _gpu.prepare_launch(kwargs)
+            kwargs = _gpu.prepare_launch(kwargs)
         return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
 
