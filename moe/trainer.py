@@ -194,6 +194,7 @@ def plot_losses(log_path: str, png_path: str, floor: Optional[float]) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"no loss plot: matplotlib is not installed (pip install 'tilecomm[examples]'); the log is {log_path}")
         return
     rows = [json.loads(line) for line in open(log_path)]
     fig, ax = plt.subplots(figsize=(6, 4))
