@@ -5,7 +5,8 @@ MoE pretraining on tilecomm: the main job
 A small decoder-only transformer whose MLPs (after a dense prefix) are mixture-of-experts layers,
 trained with expert parallelism: every rank holds E/W experts, tokens travel to their experts and
 back through `tilecomm.dispatch` (or the NCCL/gloo path, `--dispatcher nccl`), attention runs data
-parallel over the same ranks (MoE Parallel Folding with tp = cp = pp = 1, ep = W).
+parallel over the same ranks (MoE Parallel Folding with tp = pp = 1, ep = W; `--cp C` splits every
+sequence over C ranks, attention all-gathering K/V inside each CP group).
 
     python examples/pretrain_moe.py                       # 2 CPU ranks, tiny model, ~2 minutes
     python examples/pretrain_moe.py --world-size 3 --steps 20 --dispatcher nccl
@@ -40,7 +41,7 @@ PRESETS = {
 }
 
 
-def build(args, world: int, rank: int, device: torch.device):
+def build(args, world: int, rank: int, device: torch.device, cp_group=None):
     preset = PRESETS[args.preset]
     data = TokenFile(args.data) if args.data else MarkovSource(vocab=preset["model"]["vocab_size"], seed=args.seed)
     mcfg = ModelConfig(**dict(preset["model"], vocab_size=data.vocab), recompute=args.recompute)
@@ -55,7 +56,7 @@ def build(args, world: int, rank: int, device: torch.device):
                         max_tokens_per_rank=tcfg.batch_size * tcfg.seq_len)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
     model = Transformer(mcfg, moe_layer=lambda i: MoELayer(moe_cfg, dispatcher=args.dispatcher if world > 1 else "local",
-                                                           device=device)).to(device)
+                                                           device=device), cp_group=cp_group).to(device)
     return data, mcfg, moe_cfg, tcfg, model
 
 
@@ -70,13 +71,15 @@ def flops_per_token(model: torch.nn.Module, mcfg: ModelConfig, moe_cfg: MoEConfi
 def run_rank(args) -> dict:
     ctx = tilecomm.current()
     world, rank = ctx.world_size, ctx.rank
-    layout = ParallelLayout(world, ep=world)  # attention: dp = W; MoE: ep = W, edp = 1
+    layout = ParallelLayout(world, cp=args.cp, ep=world)  # attention: cp x dp = W; MoE: ep = W, edp = 1
     layout.check_trainable()
     groups = layout.create_groups()
-    data, mcfg, moe_cfg, tcfg, model = build(args, world, rank, ctx.device)
-    trainer = Trainer(model, data, tcfg, dp_group=groups.dp, edp_group=groups.edp, ep_group=groups.ep, dp_rank=rank,
-                      ep_rank=rank, flops_per_token=flops_per_token(model, mcfg, moe_cfg, world, tcfg.seq_len),
-                      config_record=dict(preset=args.preset, world=world, seed=args.seed, data=args.data,
+    data, mcfg, moe_cfg, tcfg, model = build(args, world, rank, ctx.device, groups.cp if args.cp > 1 else None)
+    dp_rank = groups.ranks["dp"].index(rank)  # ranks of one CP group read the same sequences
+    trainer = Trainer(model, data, tcfg, dp_group=groups.dp_cp, edp_group=groups.edp, ep_group=groups.ep,
+                      cp_group=groups.cp if args.cp > 1 else None, dp_rank=dp_rank, ep_rank=rank,
+                      flops_per_token=flops_per_token(model, mcfg, moe_cfg, world, tcfg.seq_len),
+                      config_record=dict(preset=args.preset, world=world, cp=args.cp, seed=args.seed, data=args.data,
                                          experts=moe_cfg.num_experts))
     history = trainer.train()
     params = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
@@ -96,6 +99,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/pretrain_moe")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--recompute", action="store_true", help="activation recompute per block")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (divides the world size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     args = p.parse_args()

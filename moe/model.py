@@ -4,6 +4,10 @@ Model math only: the MoE block gets its layer from `moe_layer(layer_index)` (see
 how tokens reach experts (one process, or expert parallel over tilecomm/NCCL) is decided outside.
 
     tokens [B, S] int64 -> logits [B, S, V], aux_loss (sum of the MoE layers' router losses)
+
+Context parallelism (`cp_group`): each of the C ranks of the group holds S/C consecutive positions
+of every sequence (rank c: positions c*S/C ...); attention all-gathers K and V inside the group
+(autograd-aware: the backward reduce-scatters their gradients) and masks causally by global position.
 """
 from __future__ import annotations
 
@@ -61,18 +65,34 @@ def apply_rope(x, cos, sin):
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+def _gather_sequence(t, group):
+    """(..., S_local, D) from every rank of the CP group -> (..., C * S_local, D), in rank order."""
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(t.contiguous(), group=group), dim=-2)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, cp_group=None):
         super().__init__()
         self.nh, self.hd = cfg.num_heads, cfg.hidden // cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.cp_group = cp_group
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, offset: int = 0):
         B, S, H = x.shape
         q, k, v = self.qkv(x).view(B, S, 3, self.nh, self.hd).permute(2, 0, 3, 1, 4)  # each (B, nh, S, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k = apply_rope(q, cos[offset:], sin[offset:]), apply_rope(k, cos[offset:], sin[offset:])
+        if self.cp_group is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # one collective for K and V together: separate ones could pair up in a different order on
+            # different ranks during backward (same shapes, so silently wrong)
+            k, v = _gather_sequence(torch.stack((k, v)), self.cp_group).unbind(0)
+            q_pos = torch.arange(offset, offset + S, device=x.device)
+            mask = q_pos[:, None] >= torch.arange(k.shape[2], device=x.device)[None, :]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, S, H))
 
 
@@ -88,27 +108,29 @@ class DenseMLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, cp_group=None):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(cfg.hidden), RMSNorm(cfg.hidden)
-        self.attn, self.mlp = Attention(cfg), mlp
+        self.attn, self.mlp = Attention(cfg, cp_group), mlp
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.norm1(x), cos, sin)
+    def forward(self, x, cos, sin, offset: int = 0):
+        x = x + self.attn(self.norm1(x), cos, sin, offset)
         y, aux = self.mlp(self.norm2(x))
         return x + y, aux
 
 
 class Transformer(nn.Module):
-    """moe_layer(i) -> a module mapping x (B, S, H) to (y, aux_loss), for layers i >= num_dense_layers."""
+    """moe_layer(i) -> a module mapping x (B, S, H) to (y, aux_loss), for layers i >= num_dense_layers.
+    cp_group: context-parallel group (see the module docstring); tokens are then this rank's chunk."""
 
-    def __init__(self, cfg: ModelConfig, moe_layer: Optional[Callable[[int], nn.Module]] = None):
+    def __init__(self, cfg: ModelConfig, moe_layer: Optional[Callable[[int], nn.Module]] = None, cp_group=None):
         super().__init__()
         self.cfg = cfg
+        self.cp_group = cp_group
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         mlps = [DenseMLP(cfg.hidden, cfg.ffn_hidden) if i < cfg.num_dense_layers or moe_layer is None else moe_layer(i)
                 for i in range(cfg.num_layers)]
-        self.blocks = nn.ModuleList(Block(cfg, m) for m in mlps)
+        self.blocks = nn.ModuleList(Block(cfg, m, cp_group) for m in mlps)
         self.norm = RMSNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.hidden // cfg.num_heads, cfg.rope_theta)
@@ -120,14 +142,20 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=std)
 
     def forward(self, tokens):
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.cfg.max_seq_len}")
+        offset, total = 0, tokens.shape[1]
+        if self.cp_group is not None:
+            import torch.distributed as dist
+
+            offset = dist.get_rank(self.cp_group) * tokens.shape[1]
+            total = dist.get_world_size(self.cp_group) * tokens.shape[1]
+        if total > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {total} > max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(tokens)
         aux = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
             if self.cfg.recompute and self.training:
-                x, a = checkpoint(block, x, self.cos, self.sin, use_reentrant=False)
+                x, a = checkpoint(block, x, self.cos, self.sin, offset, use_reentrant=False)
             else:
-                x, a = block(x, self.cos, self.sin)
+                x, a = block(x, self.cos, self.sin, offset)
             aux = aux + a.float()
         return self.head(self.norm(x)), aux

@@ -55,11 +55,17 @@ class Trainer:
     """model(tokens) -> (logits, aux_loss); data.batch(step, dp_rank, B, S) -> tokens [B, S+1]."""
 
     def __init__(self, model: nn.Module, data, cfg: TrainConfig, *, dp_group=None, edp_group=None, ep_group=None,
-                 dp_rank: int = 0, ep_rank: int = 0, flops_per_token: float = 0.0, config_record: Optional[dict] = None,
-                 log: Callable[[str], None] = print):
+                 cp_group=None, dp_rank: int = 0, ep_rank: int = 0, flops_per_token: float = 0.0,
+                 config_record: Optional[dict] = None, log: Callable[[str], None] = print):
+        """dp_group: the group dense gradients and the logged loss are averaged over (with context
+        parallelism, the dp-cp group); cp_group: this rank then trains on its 1/C chunk of each sequence;
+        dp_rank: which data-parallel shard of the data this rank (and its CP group) reads."""
         self.model, self.data, self.cfg = model, data, cfg
         self.dp_group, self.edp_group, self.ep_group = dp_group, edp_group, ep_group
         self.dp_rank, self.ep_rank = dp_rank, ep_rank
+        self.cp_rank, self.cp_size = (dist.get_rank(cp_group), dist.get_world_size(cp_group)) if cp_group else (0, 1)
+        if cfg.seq_len % self.cp_size:
+            raise ValueError(f"TrainConfig: seq_len={cfg.seq_len} must divide by the context-parallel size {self.cp_size}")
         self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.flops_per_token, self.log = flops_per_token, log
         self.device = next(model.parameters()).device
@@ -104,6 +110,9 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, start = self.cfg, time.perf_counter()
         tokens = self.data.batch(self.step, self.dp_rank, cfg.batch_size, cfg.seq_len).to(self.device)
+        if self.cp_size > 1:  # this rank's positions, plus the next token as the last target
+            chunk = cfg.seq_len // self.cp_size
+            tokens = tokens[:, self.cp_rank * chunk:(self.cp_rank + 1) * chunk + 1]
         use_bf16 = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             logits, aux = self.model(tokens[:, :-1])
@@ -122,7 +131,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        tok_s = cfg.batch_size * cfg.seq_len * self.dp_size / seconds
+        tok_s = cfg.batch_size * cfg.seq_len * self.dp_size / self.cp_size / seconds
         mfu = tok_s * self.flops_per_token / (cfg.peak_flops * self.dp_size) if self.flops_per_token and cfg.peak_flops else None
         record = dict(step=self.step, loss=float(mean_loss), aux_loss=float(aux.detach()), grad_norm=norm,
                       lr=lr_at(self.step, cfg), tokens_per_s=tok_s, mfu=mfu, seconds=seconds)
