@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from .low_latency import LowLatencyHandle
 
 
 @dataclass

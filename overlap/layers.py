@@ -15,7 +15,6 @@ between them, one all-gather before and one reduce-scatter after, both fused int
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import nn

@@ -69,7 +69,7 @@ def test_all_to_all_single_symmetric_input_in_place(ranks, world):
 
 
 def a2a_even_matches_gloo(dtype):
-    rank, world = tilecomm.rank(), tilecomm.world_size()
+    world = tilecomm.world_size()
     x = torch.randn(world * 3, 4, 2, device=dev()).to(dtype)
     out = torch.full_like(x, -5)
     ref = torch.empty_like(x)

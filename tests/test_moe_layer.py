@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import tilecomm
-from tilecomm.moe.experts import GroupedSwiGLUExperts, SharedExpert, grouped_mm_works
+from tilecomm.moe.experts import GroupedSwiGLUExperts, grouped_mm_works
 from tilecomm.moe.layer import LocalDispatcher, MoEConfig, MoELayer, shard_expert_state
 from tilecomm.moe.router import Router, RouterConfig
 

@@ -22,7 +22,7 @@ def _rand(shape, seed, dtype):
 
 
 def ag_gemm_body(m, K, n, dtype, calls):
-    rank, world = tilecomm.rank(), tilecomm.world_size()
+    rank = tilecomm.rank()
     for call in range(calls):  # fresh data each call: the gather buffer and flags are reused
         a = _rand((m, K), 100 * call + rank, dtype)
         b = _rand((K, n), 100 * call + 77, dtype)

@@ -76,8 +76,8 @@ def _config(args, backend: str, world: int, p: argparse.ArgumentParser) -> Confi
             make_case(args.op, s, args.dtype, world)
         except ValueError as err:
             p.error(str(err))
-    return Config(args.op, shapes, args.dtype, args.symmetric, args.warmup, args.reps, args.iters,
-                  args.json_path, args.seed)
+    return Config(args.op, shapes, symmetric=args.symmetric, dtype=args.dtype, warmup=args.warmup, reps=args.reps,
+                  iters=args.iters, json_path=args.json_path, seed=args.seed)
 
 
 def _heap_bytes(cfg: Config, world: int) -> int:

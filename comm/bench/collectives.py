@@ -43,19 +43,25 @@ class BenchMismatch(RuntimeError):
     """tilecomm's result differs from torch.distributed's on the same input."""
 
 
-@dataclass
-class Config:
-    """What one benchmark run does (picklable: it travels to spawned ranks)."""
+@dataclass(kw_only=True)
+class RunConfig:
+    """Settings every benchmark shares: dtype, timing loop (module docstring), JSON output, seed."""
 
-    op: str
-    shapes: List[Tuple[int, int]]
     dtype: str = "bfloat16"
-    symmetric: bool = False
     warmup: int = 5
     reps: int = 20
     iters: int = 10
     json_path: Optional[str] = None
     seed: int = 0
+
+
+@dataclass
+class Config(RunConfig):
+    """What one collectives benchmark run does (picklable: it travels to spawned ranks)."""
+
+    op: str
+    shapes: List[Tuple[int, int]]
+    symmetric: bool = False
 
 
 @dataclass

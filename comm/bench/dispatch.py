@@ -33,7 +33,7 @@ import torch.distributed as dist
 import tilecomm
 from tilecomm.dispatch import Dispatcher
 
-from .collectives import _DTYPES, BenchMismatch, _gather, _sync, _time_us, heap_bytes_needed, make_case
+from .collectives import _DTYPES, BenchMismatch, RunConfig, _gather, _sync, _time_us, heap_bytes_needed, make_case
 
 BACKENDS = ("tilecomm", "nccl")
 PHASES = ("dispatch", "combine")
@@ -44,19 +44,13 @@ _TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # combi
 
 
 @dataclass
-class DispatchConfig:
+class DispatchConfig(RunConfig):
     """What one dispatch benchmark run does (picklable: it travels to spawned ranks)."""
 
     tokens: int
     hidden: int
     experts: int
     topk: int
-    dtype: str = "bfloat16"
-    warmup: int = 5
-    reps: int = 20
-    iters: int = 10
-    json_path: Optional[str] = None
-    seed: int = 0
 
 
 def config_from_args(args, backend: str, world: int) -> DispatchConfig:

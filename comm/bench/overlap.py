@@ -30,7 +30,7 @@ import torch.distributed as dist
 import tilecomm
 from tilecomm.overlap import ag_gemm, gemm_rs, matmul
 
-from .collectives import (_DIST_ALL_GATHER, _DIST_REDUCE_SCATTER, _DTYPES, BenchMismatch, _gather, _sync,
+from .collectives import (_DIST_ALL_GATHER, _DIST_REDUCE_SCATTER, _DTYPES, BenchMismatch, RunConfig, _gather, _sync,
                           _time_us)
 
 OPS = ("ag_gemm", "gemm_rs")
@@ -43,17 +43,11 @@ _NAMES = ("gemm", "coll", "seq", "fused", "tc_gemm")
 
 
 @dataclass
-class OverlapConfig:
+class OverlapConfig(RunConfig):
     """What one overlap benchmark run does (picklable: it travels to spawned ranks)."""
 
     op: str
     shapes: List[Tuple[int, int, int]]
-    dtype: str = "bfloat16"
-    warmup: int = 5
-    reps: int = 20
-    iters: int = 10
-    json_path: Optional[str] = None
-    seed: int = 0
 
 
 def _gpu_shapes(op: str, world: int) -> List[Tuple[int, int, int]]:

@@ -19,7 +19,7 @@ programs one by one) never deadlocks, and on GPUs every wait has the runtime's t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
