@@ -14,6 +14,7 @@ import uuid
 import torch
 
 from .bootstrap import Bootstrap
+from .error_record import ErrorRecord
 from .heap import SymmetricHeap
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -52,37 +53,6 @@ def create_heap(boot: Bootstrap, nbytes: int) -> SymmetricHeap:
     # torch.frombuffer keeps each mmap alive for as long as any tensor views it.
     regions = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
     return SymmetricHeap(regions[boot.rank], regions, boot.rank)
-
-
-class ErrorRecord:
-    """int64 words [code, rank, a, b, c] a kernel fills once (first error wins), the host reads.
-    Codes: 1 wait timed out (a = signal address, b = expected, c = last seen), 2 a collective's counts
-    disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E)."""
-
-    def __init__(self, words: torch.Tensor):
-        self.error = words
-        self.error.zero_()
-
-    def take_error(self, code=None):
-        words = self.error.tolist()[:5]
-        if words[0] == 0 or (code is not None and words[0] != code):
-            return None
-        self.error.zero_()
-        return tuple(words)
-
-    def raise_if_error(self) -> None:
-        from .errors import PeerMismatchError, WaitTimeoutError
-
-        err = self.take_error()
-        if err is None:
-            return
-        code, rank, a, b, c = err
-        if code == 1:
-            raise WaitTimeoutError(rank, a, b, ">=/cmp", c, getattr(self, "timeout_s", float("nan")),
-                                   where="recorded on the device")
-        if code == 3:
-            raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
-        raise PeerMismatchError(f"rank {rank}: a collective expected {b} elements from rank {a}, which offers {c}")
 
 
 class CpuDeviceState(ErrorRecord):

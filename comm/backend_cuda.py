@@ -16,7 +16,7 @@ import torch
 import triton
 
 from . import _env
-from .backend_cpu import ErrorRecord
+from .error_record import ErrorRecord
 from .heap import SymmetricHeap
 from .language import _gpu
 

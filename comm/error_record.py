@@ -1,0 +1,35 @@
+"""The device-side error record both backends share (CPU: a tensor; GPU: pinned host memory)."""
+from __future__ import annotations
+
+import torch
+
+
+class ErrorRecord:
+    """int64 words [code, rank, a, b, c] a kernel fills once (first error wins), the host reads.
+    Codes: 1 wait timed out (a = signal address, b = expected, c = last seen), 2 a collective's counts
+    disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E)."""
+
+    def __init__(self, words: torch.Tensor):
+        self.error = words
+        self.error.zero_()
+
+    def take_error(self, code=None):
+        words = self.error.tolist()[:5]
+        if words[0] == 0 or (code is not None and words[0] != code):
+            return None
+        self.error.zero_()
+        return tuple(words)
+
+    def raise_if_error(self) -> None:
+        from .errors import PeerMismatchError, WaitTimeoutError
+
+        err = self.take_error()
+        if err is None:
+            return
+        code, rank, a, b, c = err
+        if code == 1:
+            raise WaitTimeoutError(rank, a, b, ">=/cmp", c, getattr(self, "timeout_s", float("nan")),
+                                   where="recorded on the device")
+        if code == 3:
+            raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
+        raise PeerMismatchError(f"rank {rank}: a collective expected {b} elements from rank {a}, which offers {c}")
