@@ -2,7 +2,9 @@
 
 `ranks(n)` gives a `tilecomm.RankPool` of n spawned processes with tilecomm initialised on the
 backend named by TILECOMM_TEST_BACKEND ("cpu" by default; "cuda" on a GPU machine runs the same
-test bodies on GPU ranks, one per GPU, skipping world sizes larger than the GPU count); `pool.run(fn, *args)` runs a module-level test body on every rank and returns the
+test bodies on GPU ranks, one per GPU, skipping world sizes larger than the GPU count; with
+TILECOMM_TEST_SHARE_GPUS=1 ranks share GPUs round-robin instead: a correctness run on a machine with
+fewer GPUs, never a timing); `pool.run(fn, *args)` runs a module-level test body on every rank and returns the
 results by rank (a rank's exception is re-raised as RankError naming the rank). A pool that
 lost a rank is replaced on the next request.
 """
@@ -15,8 +17,9 @@ import pytest
 
 import tilecomm
 
-TEST_TIMEOUT_S = "20"
-BACKEND = os.environ.get("TILECOMM_TEST_BACKEND", "cpu")  # device-side waits in tests fail after this long instead of hanging
+TEST_TIMEOUT_S = "20"  # device-side waits in tests fail after this long instead of hanging
+BACKEND = os.environ.get("TILECOMM_TEST_BACKEND", "cpu")
+SHARE_GPUS = os.environ.get("TILECOMM_TEST_SHARE_GPUS", "0") == "1"
 
 
 class _Pools:
@@ -27,7 +30,7 @@ class _Pools:
         if BACKEND == "cuda":
             import torch
 
-            if n > torch.cuda.device_count():
+            if n > torch.cuda.device_count() and not SHARE_GPUS:
                 pytest.skip(f"{n} ranks need {n} GPUs; this machine has {torch.cuda.device_count()}")
         pool = self.pools.get(n)
         if pool is None or not pool.alive:

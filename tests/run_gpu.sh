@@ -1,31 +1,59 @@
 #!/usr/bin/env bash
-# One device-machine call: install, GPU tests, benchmarks, a short table last.
+# One device-machine call: install, then the named phases (default: all), a short table last.
 # Carry the nvshmem4py wheel as .whl (see the device tool's notes), then run from the repo root:
-#   bash tests/run_gpu.sh            # all GPUs of the machine
-# Output: $OUT/tests.log, $OUT/bench_*.json (when OUT is set), the bench tables on stdout.
+#   bash tests/run_gpu.sh                    # gemm tests bench train, on all GPUs of the machine
+#   bash tests/run_gpu.sh gemm tests         # some phases
+# Phases:
+#   gemm   tilecomm's tile GEMM configs against cuBLAS (one GPU)            -> $OUT/gemm.json
+#   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
+#          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only)      -> $OUT/tests.log
+#   bench  every tilecomm.bench op against NCCL (needs 2+ GPUs)             -> $OUT/bench_*.json
+#   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/tilecomm-gpu}"; mkdir -p "$OUT"
+PHASES="${*:-gemm tests bench train}"
+TRAIN_STEPS="${TRAIN_STEPS:-30}"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-echo "GPUs: $NGPU"; nvidia-smi topo -m 2>/dev/null | head -8
+echo "GPUs: $NGPU  commit: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +dirty)"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 
-# The same test bodies as the CPU suite, on GPU ranks (one per GPU), both transports.
-for transport in nvlink nvshmem; do
-  TILECOMM_TEST_BACKEND=cuda TILECOMM_TRANSPORT=$transport timeout 900 python3 -m pytest -q -x \
-    tests/test_language.py tests/test_collectives.py tests/test_dispatch.py 2>&1 | tee -a "$OUT/tests.log" | tail -3
-done
+has() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
 
-if [ "$NGPU" -ge 2 ]; then
-  for op in all_to_all all_gather reduce_scatter dispatch; do
+if has gemm; then
+  timeout 300 python3 -m tilecomm.bench.gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" | grep -E "^[0-9]|best|failed"
+fi
+
+if has tests; then
+  share=0; [ "$NGPU" -lt 4 ] && share=1
+  for transport in nvlink nvshmem; do
+    echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
+    TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout "${TEST_TIMEOUT:-400}" \
+      python3 -m pytest -q -x -p no:cacheprovider tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
+      tests/test_overlap.py 2>&1 | tee -a "$OUT/tests.log" | tail -15
+  done
+fi
+
+if has bench && [ "$NGPU" -ge 2 ]; then
+  for op in all_to_all all_gather reduce_scatter dispatch ag_gemm gemm_rs; do
     for sym in "" "--symmetric"; do
-      [ "$op" = dispatch ] && [ -n "$sym" ] && continue
+      case "$op" in all_to_all|all_gather|reduce_scatter) ;; *) [ -n "$sym" ] && continue;; esac
       timeout 600 torchrun --standalone --nproc-per-node "$NGPU" -m tilecomm.bench $op $sym \
         --json "$OUT/bench_${op}${sym:+_sym}.json" 2>&1 | tail -6
     done
+  done
+fi
+
+if has train; then
+  for d in tilecomm nccl; do
+    echo "== pretrain_moe --preset h200x4 --dispatcher $d on $NGPU GPU(s), $TRAIN_STEPS steps"
+    timeout "${TRAIN_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$NGPU" examples/pretrain_moe.py \
+      --preset h200x4 --dispatcher $d --steps "$TRAIN_STEPS" --out "/tmp/run_$d" 2>&1 | grep -v "it/s\]$" | tail -8
+    cp "/tmp/run_$d/log.jsonl" "$OUT/train_$d.jsonl" 2>/dev/null
   done
 fi
