@@ -3,6 +3,7 @@
     ag_gemm(a_shard [m, K], b [K, n])  = all_gather(a_shard) @ b            -> [W*m, n]
     gemm_rs(a [M, k], b [k, N])        = my row block of sum_r a_r @ b_r     -> [M/W, N]
     ColumnParallelLinear / RowParallelLinear: sequence-parallel TP layers built on the two.
+All take `group=` (a torch.distributed group of W ranks; None = the world), see team.py.
     matmul(a, b): the persistent tile GEMM alone (to compare with cuBLAS).
 """
 from .ag_gemm import ag_gemm, ag_gemm_reference

@@ -21,6 +21,7 @@ from tilecomm.dispatch import layout as dl  # noqa: E402
 from tilecomm.dispatch import low_latency as ll  # noqa: E402
 from tilecomm.dispatch import rows as dr  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
+from tilecomm.overlap import team as ov_team  # noqa: E402
 from tilecomm.overlap import tiles as ot  # noqa: E402
 
 og = importlib.import_module("tilecomm.overlap.ag_gemm")  # the package re-exports functions of these names
@@ -61,19 +62,22 @@ CASES = [
     (ll._reduce_kernel, {"back_x_ptr": "*bf16", "idx_ptr": I64P, "w_ptr": "*fp32", "slot_ptr": I64P,
                          "back_sig_ptr": I64P, "handle_epoch_ptr": I64P, "out_ptr": "*bf16", "K": "i32", "H": "i32",
                          "E_L": "i32", "W": "i32", "M": "i32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 256}),
-    (og._push_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "flags_ptr": I64P, "consumed_ptr": I64P, "epoch": I64,
-                       "m": "i32", "K": "i32", "W": "i32", "BLOCK_M": "constexpr"}, {"BLOCK_M": 128}),
+    (og._push_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "flags_ptr": I64P, "consumed_ptr": I64P,
+                       "pes_ptr": "*i32", "epoch": I64, "m": "i32", "K": "i32", "me": "i32", "W": "i32",
+                       "BLOCK_M": "constexpr"}, {"BLOCK_M": 128}),
     (og._gemm_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": I64P,
-                       "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "W": "i32", "stride_bk": "i32",
+                       "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32", "stride_bk": "i32",
                        "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
      {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
     (rs._gemm_push_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
-                            "consumed_ptr": I64P, "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "W": "i32",
+                            "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32",
+                            "me": "i32", "W": "i32",
                             "stride_bk": "i32", "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                             "BLOCK_K": "constexpr"}, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
     (rs._reduce_kernel, {"recv_ptr": "*bf16", "flags_ptr": I64P, "out_ptr": "*bf16", "epoch": I64, "mb": "i32",
                          "N": "i32", "W": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
      {"BLOCK_M": 128, "BLOCK_N": 256}),
+    (ov_team._release_kernel, {"consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "me": "i32", "W": "i32"}, {}),
     (ot._matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                          "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
                          "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},

@@ -108,7 +108,7 @@ def bad_overlap_inputs():
             fn(torch.randn(8, world * 4).t(), b)
         with pytest.raises(ValueError, match="2-D"):
             fn(torch.randn(3), b)
-    with pytest.raises(ValueError, match="multiple of the world size"):
+    with pytest.raises(ValueError, match="multiple of the group size"):
         gemm_rs(torch.randn(world * 2 + 1, 8), b)
     with pytest.raises(ValueError, match="divide by"):
         ColumnParallelLinear(8, world * 2 + 1)
