@@ -26,8 +26,10 @@ _PROCESS_BLOCKS = {}  # device index -> (state tensor, pinned error words); live
 
 def _nvshmem():
     try:
-        import nvshmem.core as nvshmem
-        import nvshmem.core.interop.torch  # noqa: F401  (registers the torch interop)
+        import importlib
+
+        nvshmem = importlib.import_module("nvshmem.core")
+        importlib.import_module("nvshmem.core.interop.torch")  # a plain `import a.b.c` would rebind the name
     except ImportError as err:
         raise RuntimeError("tilecomm cuda backend needs nvshmem4py: pip install 'tilecomm[gpu]' "
                            f"(nvshmem4py-cu13, cuda-python); import failed: {err}") from None

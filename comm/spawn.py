@@ -49,7 +49,9 @@ def _worker(rank: int, world: int, port: int, backend: str, env: Dict[str, str],
             torch.cuda.set_device(rank % torch.cuda.device_count())
         else:
             torch.set_num_threads(1)
-        dist.init_process_group("nccl" if backend == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        # NCCL refuses two ranks on one GPU: ranks that share GPUs (a correctness run) use gloo
+        shared = backend == "cuda" and world > torch.cuda.device_count()
+        dist.init_process_group("nccl" if backend == "cuda" and not shared else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
         tilecomm.init(backend=backend)
         conn.send(("ready", None))

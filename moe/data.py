@@ -18,27 +18,62 @@ import torch
 
 
 class MarkovSource:
+    """Cost: building is O(vocab x branching) (a 32k vocabulary takes well under a second) and a
+    batch is one vectorised step per position for a chunk of `CHUNK_STEPS` steps at a time."""
+
+    CHUNK_STEPS = 64  # steps whose sequences are drawn together (same result as one by one)
+
     def __init__(self, vocab: int = 64, branching: int = 4, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
+        if not 2 <= branching <= vocab:
+            raise ValueError(f"MarkovSource: branching={branching} must be in [2, vocab={vocab}]")
+        rng = np.random.default_rng(seed)
         self.vocab = vocab
-        self.next = torch.stack([torch.randperm(vocab, generator=gen)[:branching] for _ in range(vocab)])
-        self.probs = torch.softmax(torch.randn(vocab, branching, generator=gen) * 1.5, dim=-1)
-        trans = torch.zeros(vocab, vocab, dtype=torch.float64)
-        trans.scatter_(1, self.next, self.probs.double())
-        pi = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
-        for _ in range(2000):  # power iteration for the stationary distribution
-            pi = pi @ trans
-        row_entropy = -(self.probs.double() * self.probs.double().log()).sum(-1)
+        self.next = _distinct_successors(rng, vocab, branching)  # [vocab, branching]
+        logits = rng.standard_normal((vocab, branching)) * 1.5
+        self.probs = np.exp(logits - logits.max(-1, keepdims=True))
+        self.probs /= self.probs.sum(-1, keepdims=True)
+        self._cum = np.cumsum(self.probs, -1)
+        self._cum[:, -1] = 1.0
+        pi = np.full(vocab, 1.0 / vocab)
+        for _ in range(5000):  # power iteration for the stationary distribution, sparse
+            nxt = np.bincount(self.next.ravel(), weights=(pi[:, None] * self.probs).ravel(), minlength=vocab)
+            done = np.abs(nxt - pi).sum() < 1e-13
+            pi = nxt
+            if done:
+                break
+        row_entropy = -(self.probs * np.log(self.probs)).sum(-1)
         self.entropy_floor = float((pi * row_entropy).sum())
+        self._cached = (None, None)
 
     def batch(self, step: int, rank: int, batch_size: int, seq_len: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(1_000_003 * step + 7919 * rank + 1)
-        out = torch.empty(batch_size, seq_len + 1, dtype=torch.int64)
-        out[:, 0] = torch.randint(0, self.vocab, (batch_size,), generator=gen)
+        """[batch_size, seq_len + 1] int64 tokens; a pure function of the arguments."""
+        key = (step // self.CHUNK_STEPS, rank, batch_size, seq_len)
+        if self._cached[0] != key:
+            self._cached = (key, self._chunk(*key))
+        first = (step % self.CHUNK_STEPS) * batch_size
+        return torch.from_numpy(self._cached[1][first:first + batch_size].copy())
+
+    def _chunk(self, chunk: int, rank: int, batch_size: int, seq_len: int) -> np.ndarray:
+        rng = np.random.default_rng([chunk, rank, batch_size, seq_len])
+        n = self.CHUNK_STEPS * batch_size
+        out = np.empty((n, seq_len + 1), dtype=np.int64)
+        out[:, 0] = cur = rng.integers(0, self.vocab, n)
+        u = rng.random((seq_len, n))
         for t in range(seq_len):
-            choice = torch.multinomial(self.probs[out[:, t]], 1, generator=gen).squeeze(1)
-            out[:, t + 1] = self.next[out[:, t], choice]
+            choice = (u[t][:, None] > self._cum[cur]).sum(-1)
+            out[:, t + 1] = cur = self.next[cur, choice]
         return out
+
+
+def _distinct_successors(rng, vocab: int, branching: int) -> np.ndarray:
+    """[vocab, branching] successor ids, distinct within each row: draw, redraw rows with repeats."""
+    out = rng.integers(0, vocab, (vocab, branching))
+    while True:
+        s = np.sort(out, axis=1)
+        bad = (s[:, 1:] == s[:, :-1]).any(axis=1)
+        if not bad.any():
+            return out
+        out[bad] = rng.integers(0, vocab, (int(bad.sum()), branching))
 
 
 class TokenFile:

@@ -50,10 +50,11 @@ if has bench && [ "$NGPU" -ge 2 ]; then
 fi
 
 if has train; then
-  for d in tilecomm nccl; do
+  for d in tilecomm $([ "$NGPU" -gt 1 ] && echo nccl); do  # one GPU: both are the local path
     echo "== pretrain_moe --preset h200x4 --dispatcher $d on $NGPU GPU(s), $TRAIN_STEPS steps"
     timeout "${TRAIN_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$NGPU" examples/pretrain_moe.py \
-      --preset h200x4 --dispatcher $d --steps "$TRAIN_STEPS" --out "/tmp/run_$d" 2>&1 | grep -v "it/s\]$" | tail -8
-    cp "/tmp/run_$d/log.jsonl" "$OUT/train_$d.jsonl" 2>/dev/null
+      --preset h200x4 --dispatcher $d --steps "$TRAIN_STEPS" --out "/tmp/run_$d" > "$OUT/train_$d.log" 2>&1
+    tr '\r' '\n' < "$OUT/train_$d.log" | grep -v "^\s*$" | tail -4
+    cp "/tmp/run_$d/log.jsonl" "$OUT/train_$d.jsonl" 2>/dev/null && tail -2 "$OUT/train_$d.jsonl"
   done
 fi
