@@ -1,8 +1,10 @@
 """Checkpoints through torch.distributed.checkpoint (DCP): model, AdamW state and the step.
 
-Replicated tensors keep their name; expert tensors differ per expert-parallel rank, so their keys get
-`@ep<rank>`: DCP stores each rank's experts once and the dense weights once. A checkpoint records its
-config; loading one from another config raises with the first difference.
+Replicated tensors keep their name; tensors that differ per rank get a suffix from the caller's
+`key_of(name, param)`: `@ep<rank>` for experts (per expert-parallel rank), `@tp<rank>` for
+tensor-parallel shards. DCP stores each distinct tensor once. A checkpoint records its config
+(including the tensor-parallel size when > 1); loading one from another config raises with the
+first difference.
 """
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 
-def _flat_state(model: nn.Module, opt: torch.optim.Optimizer, is_expert: Callable[[str], bool], ep_rank: int) -> Dict:
+def _flat_state(model: nn.Module, opt: torch.optim.Optimizer, key_of: Callable[[str, torch.Tensor], str]) -> Dict:
     flat = {}
     for name, p in model.named_parameters():
-        key = f"{name}@ep{ep_rank}" if is_expert(name) else name
+        key = key_of(name, p)
         flat[f"model/{key}"] = p.data
         state = opt.state[p]
         if not state:  # a fresh optimizer: make AdamW's state so that loading has tensors to fill
@@ -29,8 +31,9 @@ def _flat_state(model: nn.Module, opt: torch.optim.Optimizer, is_expert: Callabl
     return flat
 
 
-def save(path: str, step: int, model: nn.Module, opt, is_expert, ep_rank: int, config: dict) -> None:
-    state = _flat_state(model, opt, is_expert, ep_rank)
+def save(path: str, step: int, model: nn.Module, opt, key_of, config: dict) -> None:
+    """key_of(name, param) -> the parameter's checkpoint key (its name, plus a per-rank suffix)."""
+    state = _flat_state(model, opt, key_of)
     state["meta/step"] = torch.tensor(step)
     dcp.save(state, checkpoint_id=path)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -38,8 +41,8 @@ def save(path: str, step: int, model: nn.Module, opt, is_expert, ep_rank: int, c
             json.dump(config, f, indent=1, sort_keys=True)
 
 
-def load(path: str, model: nn.Module, opt, is_expert, ep_rank: int, config: dict) -> int:
-    """Load in place; returns the step to continue from."""
+def load(path: str, model: nn.Module, opt, key_of, config: dict) -> int:
+    """Load in place; returns the step to continue from. key_of as for `save`."""
     meta = os.path.join(path, "tilecomm_config.json")
     if not os.path.exists(meta):
         raise FileNotFoundError(f"checkpoint {path!r}: not found (no tilecomm_config.json)")
@@ -50,7 +53,7 @@ def load(path: str, model: nn.Module, opt, is_expert, ep_rank: int, config: dict
         if saved.get(key) != current.get(key):
             raise ValueError(f"checkpoint {path!r} is from another config: {key} = {saved.get(key)!r} there, "
                              f"{current.get(key)!r} here")
-    state = _flat_state(model, opt, is_expert, ep_rank)
+    state = _flat_state(model, opt, key_of)
     state["meta/step"] = torch.tensor(0)
     dcp.load(state, checkpoint_id=path)
     return int(state["meta/step"])

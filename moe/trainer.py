@@ -1,10 +1,17 @@
 """Training loop: AdamW with warm-up + cosine, bf16 autocast on GPU, gradient clipping, expert-parallel
 gradient reduction, DCP checkpoints, a progress bar, a JSONL log and a loss-curve PNG.
 
-Gradient reduction under MoE Parallel Folding: dense parameters are averaged over the data-parallel
-group; expert parameters are summed over the expert-data-parallel group and divided by the
-data-parallel size too (combine's backward already brought every rank's tokens' gradients to the
-expert, and the objective is the mean of the data-parallel ranks' losses).
+Gradient reduction under MoE Parallel Folding. The objective is the mean of the W ranks' losses,
+W = dp(-cp) size x tp size (every rank holds as many tokens; each rank's loss is the mean over its
+tokens). Every gradient is summed over the ranks holding a copy of that parameter and divided by W:
+  - tensor-parallel shards (`p.tensor_parallel`): over the dp(-cp) group (the TP backward already
+    brought every TP rank's tokens' contribution to the shard);
+  - other dense parameters (norms, embedding, head, routers): over the dp(-cp) group and the TP group
+    (each TP rank saw only its slice of the tokens, as Megatron's sequence-parallel norms);
+  - expert parameters: over the expert-data-parallel group (combine's backward already brought every
+    EP rank's tokens' gradients to the expert).
+The gradient norm for clipping counts every distinct value once: squares of TP shards are summed over
+the TP group, of experts over the EP group, replicated parameters are counted locally.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
+from .tensor_parallel import sequence_shard, tp_rank_and_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,27 +59,50 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in name or name.startswith("experts.")
 
 
+def is_tensor_parallel_param(p: torch.Tensor) -> bool:
+    """True for a tensor-parallel shard (set by tilecomm.overlap's Column/RowParallelLinear)."""
+    return bool(getattr(p, "tensor_parallel", False))
+
+
 class Trainer:
     """model(tokens) -> (logits, aux_loss); data.batch(step, dp_rank, B, S) -> tokens [B, S+1]."""
 
     def __init__(self, model: nn.Module, data, cfg: TrainConfig, *, dp_group=None, edp_group=None, ep_group=None,
-                 cp_group=None, dp_rank: int = 0, ep_rank: int = 0, flops_per_token: float = 0.0,
+                 cp_group=None, tp_group=None, dp_rank: int = 0, ep_rank: int = 0, flops_per_token: float = 0.0,
                  config_record: Optional[dict] = None, log: Callable[[str], None] = print):
         """dp_group: the group dense gradients and the logged loss are averaged over (with context
         parallelism, the dp-cp group); cp_group: this rank then trains on its 1/C chunk of each sequence;
-        dp_rank: which data-parallel shard of the data this rank (and its CP group) reads."""
+        tp_group: the model's tensor-parallel group (its logits are this rank's token slice, see
+        moe/model.py); dp_rank: which data-parallel shard of the data this rank (and its CP and TP
+        groups) reads."""
         self.model, self.data, self.cfg = model, data, cfg
-        self.dp_group, self.edp_group, self.ep_group = dp_group, edp_group, ep_group
+        self.dp_group, self.edp_group, self.ep_group, self.tp_group = dp_group, edp_group, ep_group, tp_group
         self.dp_rank, self.ep_rank = dp_rank, ep_rank
         self.cp_rank, self.cp_size = (dist.get_rank(cp_group), dist.get_world_size(cp_group)) if cp_group else (0, 1)
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
         if cfg.seq_len % self.cp_size:
             raise ValueError(f"TrainConfig: seq_len={cfg.seq_len} must divide by the context-parallel size {self.cp_size}")
+        if (cfg.batch_size * cfg.seq_len // self.cp_size) % self.tp_size:
+            raise ValueError(f"TrainConfig: batch_size x seq_len / cp = {cfg.batch_size} x {cfg.seq_len} / "
+                             f"{self.cp_size} tokens per rank must divide by the tensor-parallel size {self.tp_size}")
+        if self.tp_size > 1 and getattr(model, "tp_size", 1) != self.tp_size:
+            raise ValueError(f"Trainer: tp_group has {self.tp_size} ranks but the model was built with tensor-parallel "
+                             f"size {getattr(model, 'tp_size', 1)}; pass the same group to Transformer(tp_group=...)")
         self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        if self.tp_size > 1:
+            shared = set(dist.get_process_group_ranks(tp_group)) & set(
+                dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size()))
+            if len(shared) > 1:
+                raise ValueError(f"Trainer: dp_group shares ranks {sorted(shared)} with tp_group; with tensor "
+                                 "parallelism pass the data-parallel (dp-cp) group, e.g. ProcessGroups.dp_cp")
+        self.num_loss_terms = self.dp_size * self.tp_size  # ranks whose mean loss is the objective
         self.flops_per_token, self.log = flops_per_token, log
         self.device = next(model.parameters()).device
         # what a checkpoint must agree on to resume (not where it is, how it reports or that it resumes)
         curve = {k: v for k, v in asdict(cfg).items() if k not in ("out_dir", "resume", "progress", "checkpoint_every")}
         self.config_record = dict(config_record or {}, train=curve)
+        if self.tp_size > 1:  # shards differ per TP size (absent for T = 1: older checkpoints stay valid)
+            self.config_record["tensor_parallel"] = self.tp_size
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         rest = [p for n, p in model.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -79,29 +110,47 @@ class Trainer:
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         self.step = 0
         if cfg.resume:
-            self.step = checkpoint.load(self._ckpt_dir(), model, self.opt, is_expert_param, ep_rank, self.config_record)
+            self.step = checkpoint.load(self._ckpt_dir(), model, self.opt, self._ckpt_key, self.config_record)
 
     def _ckpt_dir(self) -> str:
         return os.path.join(self.cfg.out_dir, "checkpoint")
 
+    def _ckpt_key(self, name: str, p: torch.Tensor) -> str:
+        """Checkpoint key: experts differ per EP rank, TP shards per TP rank; the rest is replicated."""
+        if is_expert_param(name):
+            return f"{name}@ep{self.ep_rank}"
+        return f"{name}@tp{self.tp_rank}" if is_tensor_parallel_param(p) else name
+
+    def _param_class(self, name: str, p: torch.Tensor) -> str:
+        if is_expert_param(name):
+            return "expert"
+        return "tensor_parallel" if is_tensor_parallel_param(p) else "replicated"
+
     def _sync_grads(self) -> None:
         if not dist.is_initialized():
             return
+        groups = {"expert": [self.edp_group], "tensor_parallel": [self.dp_group],
+                  "replicated": [self.dp_group, *self._tp_groups()]}
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            group = self.edp_group if is_expert_param(name) else self.dp_group
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(p.grad, group=group)
-            p.grad.div_(self.dp_size)
+            for group in groups[self._param_class(name, p)]:
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(p.grad, group=group)
+            p.grad.div_(self.num_loss_terms)
+
+    def _tp_groups(self) -> list:
+        return [self.tp_group] if self.tp_size > 1 else []
 
     def _clip(self) -> float:
-        dense = sum(p.grad.float().pow(2).sum() for n, p in self.model.named_parameters() if not is_expert_param(n))
-        expert = sum((p.grad.float().pow(2).sum() for n, p in self.model.named_parameters() if is_expert_param(n)),
-                     torch.zeros((), device=self.device))
-        if dist.is_initialized() and self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
-            dist.all_reduce(expert, group=self.ep_group)
-        norm = float((dense + expert).sqrt())
+        """Clip to cfg.grad_clip by the global norm; returns the norm before clipping."""
+        squares = {c: torch.zeros((), device=self.device) for c in ("replicated", "tensor_parallel", "expert")}
+        for name, p in self.model.named_parameters():
+            squares[self._param_class(name, p)] += p.grad.float().pow(2).sum()
+        for cls, group in (("tensor_parallel", self.tp_group), ("expert", self.ep_group)):
+            if dist.is_initialized() and group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(squares[cls], group=group)
+        norm = float(sum(squares.values()).sqrt())
         if self.cfg.grad_clip and norm > self.cfg.grad_clip:
             for p in self.model.parameters():
                 p.grad.mul_(self.cfg.grad_clip / (norm + 1e-6))
@@ -113,10 +162,13 @@ class Trainer:
         if self.cp_size > 1:  # this rank's positions, plus the next token as the last target
             chunk = cfg.seq_len // self.cp_size
             tokens = tokens[:, self.cp_rank * chunk:(self.cp_rank + 1) * chunk + 1]
+        targets = tokens[:, 1:].reshape(-1)
+        if self.tp_size > 1:  # the model's logits are this rank's slice of the flattened tokens
+            targets = sequence_shard(targets, self.tp_rank, self.tp_size, "targets")
         use_bf16 = self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             logits, aux = self.model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets)
         (loss + aux).backward()
         self._sync_grads()
         norm = self._clip()
@@ -124,15 +176,16 @@ class Trainer:
             group["lr"] = lr_at(self.step, cfg)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().clone()
+        mean_loss = loss.detach().clone()  # -> the mean over all W ranks (every token counted once)
         if dist.is_initialized():
-            dist.all_reduce(mean_loss, group=self.dp_group)
-            mean_loss /= self.dp_size
+            for group in (self.dp_group, *self._tp_groups()):
+                dist.all_reduce(mean_loss, group=group)
+            mean_loss /= self.num_loss_terms
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tok_s = cfg.batch_size * cfg.seq_len * self.dp_size / self.cp_size / seconds
-        mfu = tok_s * self.flops_per_token / (cfg.peak_flops * self.dp_size) if self.flops_per_token and cfg.peak_flops else None
+        mfu = tok_s * self.flops_per_token / (cfg.peak_flops * self.num_loss_terms) if self.flops_per_token and cfg.peak_flops else None
         record = dict(step=self.step, loss=float(mean_loss), aux_loss=float(aux.detach()), grad_norm=norm,
                       lr=lr_at(self.step, cfg), tokens_per_s=tok_s, mfu=mfu, seconds=seconds)
         self.step += 1
@@ -162,8 +215,7 @@ class Trainer:
         return history
 
     def save(self) -> None:
-        checkpoint.save(self._ckpt_dir(), self.step, self.model, self.opt, is_expert_param, self.ep_rank,
-                        self.config_record)
+        checkpoint.save(self._ckpt_dir(), self.step, self.model, self.opt, self._ckpt_key, self.config_record)
 
 
 class _progress:

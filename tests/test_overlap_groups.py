@@ -94,7 +94,7 @@ def tp_mlp_over_groups(layout, s_per_rank, h, f_per_rank):
     x_ref = x_full.clone().requires_grad_()
     y_ref = lin2(torch.relu(lin1(x_ref)))
     (y_ref * g_full).sum().backward()
-    close = dict(rtol=1e-4, atol=1e-5)
+    close = {"rtol": 1e-4, "atol": 1e-5}
     torch.testing.assert_close(y.detach().cpu(), y_ref[rows].detach(), **close)
     torch.testing.assert_close(x.grad.cpu(), x_ref.grad[rows], **close)
     cols = slice(me * f_per_rank, (me + 1) * f_per_rank)

@@ -1,0 +1,174 @@
+"""Tensor parallelism (sequence parallel) in the transformer and trainer: TP=2 (and TP x CP, TP x EP)
+equals the one-rank model and one-process training; checkpoints resume; bad setups fail clearly."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tilecomm
+from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TrainConfig, Trainer,
+                          Transformer, make_dispatcher)
+
+MODEL = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=2, ffn_hidden=32, num_dense_layers=1, max_seq_len=16)
+
+
+class _Concat:
+    """All DP ranks' batches of a step as one batch: what one process sees when it plays every rank."""
+
+    def __init__(self, data, world):
+        self.data, self.world = data, world
+
+    def batch(self, step, rank, batch_size, seq_len):
+        return torch.cat([self.data.batch(step, r, batch_size // self.world, seq_len) for r in range(self.world)])
+
+
+def _moe(router=None):
+    return MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, topk=2, router=router or {"aux_loss_coeff": 0.0},
+                     seed=1, max_tokens_per_rank=64, experts_impl="loop")
+
+
+def _model(dispatcher="local", router=None, **groups):
+    """dispatcher: a kind for MoELayer, or a function making one dispatcher per layer."""
+    moe = _moe(router)
+    make = dispatcher if callable(dispatcher) else (lambda: dispatcher)
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, dispatcher=make()), **groups)
+
+
+def _shard_of_full(name: str, full_grad: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """The TP shard (in the Column/Row [in, out] layout) of a full nn.Linear gradient [out, in],
+    written out here independently of moe/tensor_parallel.py."""
+    H, nh = MODEL["hidden"], MODEL["num_heads"]
+    if name.endswith("attn.qkv.weight"):  # rows: q heads, k heads, v heads; rank t owns heads t*nh/T ...
+        per = nh // tp
+        rows = [part * H + head * (H // nh) + d for part in range(3) for head in range(tp_rank * per, (tp_rank + 1) * per)
+                for d in range(H // nh)]
+        return full_grad[rows].t()
+    if name.endswith("mlp.gate_up.weight"):  # rows: gate then up; rank t owns F/T of each
+        F, per = full_grad.shape[0] // 2, full_grad.shape[0] // 2 // tp
+        rows = list(range(tp_rank * per, (tp_rank + 1) * per)) + list(range(F + tp_rank * per, F + (tp_rank + 1) * per))
+        return full_grad[rows].t()
+    per = full_grad.shape[1] // tp  # proj / down: Row layers split the input features
+    return full_grad[:, tp_rank * per:(tp_rank + 1) * per].t()
+
+
+def tp_model_body(tp, cp, router):
+    """A TP (x CP) transformer equals the one-rank model: logits of this rank's token slice, the
+    summed aux loss, and every gradient (shards against the full gradient's slice, replicated ones
+    summed over the ranks)."""
+    world, rank = tilecomm.world_size(), tilecomm.rank()
+    groups = ParallelLayout(world, tp=tp, cp=cp).create_groups()
+    tp_rank, cp_rank = groups.ranks["tp"].index(rank), groups.ranks["cp"].index(rank)
+    full = _model(router=router)
+    par = _model(router=router, tp_group=groups.tp, cp_group=groups.cp if cp > 1 else None)
+    tokens = MarkovSource(vocab=32, seed=7).batch(0, 0, 2, 16)[:, :16]
+    chunk = 16 // cp
+    mine = tokens[:, cp_rank * chunk:(cp_rank + 1) * chunk]
+    logits_full, aux_full = full(tokens)
+    logits_par, aux_par = par(mine)
+    n = mine.numel() // tp
+    want = logits_full[:, cp_rank * chunk:(cp_rank + 1) * chunk].reshape(-1, 32)[tp_rank * n:(tp_rank + 1) * n]
+    assert logits_par.shape == (n, 32)
+    torch.testing.assert_close(logits_par, want, rtol=1e-5, atol=1e-5)
+    aux_sum = aux_par.detach().clone()
+    dist.all_reduce(aux_sum)
+    torch.testing.assert_close(aux_sum / world, aux_full.detach(), rtol=1e-5, atol=1e-7)
+    weight = torch.randn(logits_full.shape, generator=torch.Generator().manual_seed(11))
+    (logits_full * weight).sum().add(aux_full).backward()
+    w_mine = weight[:, cp_rank * chunk:(cp_rank + 1) * chunk].reshape(-1, 32)[tp_rank * n:(tp_rank + 1) * n]
+    ((logits_par * w_mine).sum() + aux_par / world).backward()
+    full_params = dict(full.named_parameters())
+    for name, p in par.named_parameters():
+        g = p.grad.clone()
+        if getattr(p, "tensor_parallel", False):
+            if cp > 1:
+                dist.all_reduce(g, group=groups.cp)
+            torch.testing.assert_close(g, _shard_of_full(name, full_params[name].grad, tp_rank, tp), rtol=1e-4,
+                                       atol=1e-5, msg=name)
+        else:
+            dist.all_reduce(g)
+            torch.testing.assert_close(g, full_params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+    sharded = {n for n, p in par.named_parameters() if getattr(p, "tensor_parallel", False)}
+    assert sharded == {f"blocks.{i}.attn.{w}.weight" for i in range(2) for w in ("qkv", "proj")} | {
+        "blocks.0.mlp.gate_up.weight", "blocks.0.mlp.down.weight"}
+
+
+@pytest.mark.parametrize("tp,cp,router", [
+    (2, 1, {"z_loss_coeff": 1e-2, "seq_aux_loss_coeff": 1e-2}),  # per-slice losses that average exactly
+    (2, 2, {"z_loss_coeff": 1e-2}),
+], ids=["tp2", "tp2xcp2"])
+def test_tp_model_matches_one_rank_model(ranks, tp, cp, router):
+    ranks(tp * cp).run(tp_model_body, tp, cp, router)
+
+
+def test_tp1_model_is_the_plain_model():
+    plain, tp1 = _model(), _model(tp_group=None)
+    assert [(n, p.shape) for n, p in plain.named_parameters()] == [(n, p.shape) for n, p in tp1.named_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), tp1.parameters()))
+
+
+def _train_cfg(out_dir, steps, resume=False, batch_size=2):
+    return TrainConfig(steps=steps, batch_size=batch_size, seq_len=16, lr=3e-3, warmup_steps=2, out_dir=out_dir,
+                       resume=resume, progress=False, peak_flops=None)
+
+
+def tp_train(out_dir, steps, tp, ep, dispatcher, stop_at=None, resume=False):
+    world, rank = tilecomm.world_size(), tilecomm.rank()
+    groups = ParallelLayout(world, tp=tp, ep=ep).create_groups()
+    def over_ep_group():  # expert parallel over this rank's EP group only
+        return make_dispatcher(_moe(), "nccl", group=groups.ep)
+
+    model = _model(over_ep_group if dispatcher == "nccl" else dispatcher, tp_group=groups.tp)
+    trainer = Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg(out_dir, steps, resume),
+                      dp_group=groups.dp_cp, edp_group=groups.edp, ep_group=groups.ep, tp_group=groups.tp,
+                      dp_rank=groups.ranks["dp"].index(rank), ep_rank=groups.ranks["ep"].index(rank))
+    return [(r["loss"], r["grad_norm"]) for r in trainer.train(stop_at=stop_at)]
+
+
+def _one_process(tmp_path, steps, dp):
+    one = Trainer(_model(), _Concat(MarkovSource(vocab=32, seed=3), dp), _train_cfg(str(tmp_path / "one"), steps, batch_size=2 * dp))
+    return [(r["loss"], r["grad_norm"]) for r in one.train()]
+
+
+@pytest.mark.parametrize("world,tp,ep,dispatcher", [(2, 2, 2, "tilecomm"), (2, 2, 1, "local"), (4, 2, 2, "nccl")],
+                         ids=["tp2-ep2", "tp2-experts-replicated", "tp2xep2xdp2"])
+def test_tp_training_matches_one_process(ranks, tmp_path, world, tp, ep, dispatcher):
+    steps = 8 if world == 2 else 5
+    runs = ranks(world).run(tp_train, str(tmp_path / "tp"), steps, tp, ep, dispatcher)
+    assert all(r == runs[0] for r in runs), runs  # the logged loss and norm are global: the same on every rank
+    one = _one_process(tmp_path, steps, world // tp)
+    assert one[-1][0] < one[0][0] - 0.1, one  # it learns
+    torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(one), rtol=2e-4, atol=2e-4)
+
+
+def test_tp_checkpoint_resume_and_refusal(ranks, tmp_path):
+    full = ranks(2).run(tp_train, str(tmp_path / "full"), 6, 2, 2, "tilecomm")[0]
+    ranks(2).run(tp_train, str(tmp_path / "cut"), 6, 2, 2, "tilecomm", 4)  # interrupted after 4 of 6 steps
+    resumed = ranks(2).run(tp_train, str(tmp_path / "cut"), 6, 2, 2, "tilecomm", None, True)[0]
+    assert resumed == full[4:], (resumed, full)  # bit-identical continuation
+    with pytest.raises(ValueError, match="tensor_parallel"):  # a TP=2 checkpoint in a TP=1 run
+        Trainer(_model(), MarkovSource(vocab=32, seed=3), _train_cfg(str(tmp_path / "cut"), 6, resume=True))
+
+
+def bad_tp_setups():
+    tp = dist.group.WORLD
+    with pytest.raises(ValueError, match="num_heads"):
+        Transformer(ModelConfig(**{**MODEL, "num_heads": 1}), tp_group=tp)
+    with pytest.raises(ValueError, match="ffn_hidden"):
+        Transformer(ModelConfig(**{**MODEL, "ffn_hidden": 33}), tp_group=tp)
+    model = _model(tp_group=tp)
+    with pytest.raises(ValueError, match="tensor-parallel size"):
+        model(torch.zeros(1, 3, dtype=torch.long))  # 3 tokens over 2 ranks
+    with pytest.raises(ValueError, match="tensor-parallel size"):
+        Trainer(model, MarkovSource(vocab=32, seed=3), TrainConfig(steps=1, batch_size=1, seq_len=3), tp_group=tp)
+    with pytest.raises(ValueError, match="dp_group shares"):
+        Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg("unused", 1), tp_group=tp, dp_group=tp)
+    with pytest.raises(ValueError, match="model was built"):
+        Trainer(_model(), MarkovSource(vocab=32, seed=3), _train_cfg("unused", 1), tp_group=tp)
+    with pytest.raises(ValueError, match="group"):
+        Transformer(ModelConfig(**MODEL), tp_group="tp")
+
+
+def test_bad_tp_setups(ranks):
+    ranks(2).run(bad_tp_setups)
