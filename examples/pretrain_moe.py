@@ -5,11 +5,14 @@ MoE pretraining on tilecomm: the main job
 A small decoder-only transformer whose MLPs (after a dense prefix) are mixture-of-experts layers,
 trained with expert parallelism: every rank holds E/W experts, tokens travel to their experts and
 back through `tilecomm.dispatch` (or the NCCL/gloo path, `--dispatcher nccl`), attention runs data
-parallel over the same ranks (MoE Parallel Folding with tp = pp = 1, ep = W; `--cp C` splits every
-sequence over C ranks, attention all-gathering K/V inside each CP group).
+parallel over the same ranks (MoE Parallel Folding: attention tp x cp x dp = W, experts ep = W with
+etp = edp = 1, pp = 1; `--cp C` splits every sequence over C ranks, attention all-gathering K/V inside
+each CP group; `--tp T` splits attention heads and the dense MLP over T ranks with sequence
+parallelism, their all-gather / reduce-scatter fused into the GEMMs by tilecomm.overlap).
 
     python examples/pretrain_moe.py                       # 2 CPU ranks, tiny model, ~2 minutes
     python examples/pretrain_moe.py --world-size 3 --steps 20 --dispatcher nccl
+    python examples/pretrain_moe.py --world-size 4 --tp 2 --cp 2
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --preset h200x4   # GPUs, unchanged code
 
 Data: a synthetic Markov source whose entropy floor is known, so the printed loss can be compared
@@ -41,7 +44,26 @@ PRESETS = {
 }
 
 
-def build(args, world: int, rank: int, device: torch.device, cp_group=None):
+def check_parallel_sizes(args, world: int) -> None:
+    """ValueError naming the flag when --tp / --cp cannot split this preset over `world` ranks."""
+    preset = PRESETS[args.preset]
+    model, train = preset["model"], preset["train"]
+    for flag, size in (("--tp", args.tp), ("--cp", args.cp)):
+        if size < 1:
+            raise ValueError(f"{flag} {size}: expected a positive int")
+    if world % (args.tp * args.cp):
+        raise ValueError(f"--tp {args.tp} x --cp {args.cp} = {args.tp * args.cp} must divide the world size {world}")
+    if train["seq_len"] % args.cp:
+        raise ValueError(f"--cp {args.cp}: preset {args.preset!r} has seq_len {train['seq_len']}, which must divide by it")
+    for name in ("num_heads", "ffn_hidden"):
+        if model[name] % args.tp:
+            raise ValueError(f"--tp {args.tp}: preset {args.preset!r} has {name}={model[name]}, which must divide by it")
+    if train["batch_size"] * train["seq_len"] // args.cp % args.tp:
+        raise ValueError(f"--tp {args.tp}: the {train['batch_size']} x {train['seq_len'] // args.cp} tokens per rank "
+                         "must divide by it (sequence parallelism splits them)")
+
+
+def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_group=None):
     preset = PRESETS[args.preset]
     data = TokenFile(args.data) if args.data else MarkovSource(vocab=preset["model"]["vocab_size"], seed=args.seed)
     mcfg = ModelConfig(**dict(preset["model"], vocab_size=data.vocab), recompute=args.recompute)
@@ -56,13 +78,20 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None):
                         max_tokens_per_rank=tcfg.batch_size * tcfg.seq_len)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
     model = Transformer(mcfg, moe_layer=lambda i: MoELayer(moe_cfg, dispatcher=args.dispatcher if world > 1 else "local",
-                                                           device=device), cp_group=cp_group).to(device)
+                                                           device=device), cp_group=cp_group,
+                        tp_group=tp_group).to(device)
     return data, mcfg, moe_cfg, tcfg, model
 
 
-def flops_per_token(model: torch.nn.Module, mcfg: ModelConfig, moe_cfg: MoEConfig, world: int, seq_len: int) -> float:
+def dense_numel(p: torch.nn.Parameter, tp: int) -> int:
+    """Elements of the whole (unsharded) parameter: a tensor-parallel shard is 1/tp of it."""
+    return p.numel() * (tp if getattr(p, "tensor_parallel", False) else 1)
+
+
+def flops_per_token(model: torch.nn.Module, mcfg: ModelConfig, moe_cfg: MoEConfig, world: int, seq_len: int,
+                    tp: int = 1) -> float:
     """6 x active parameters + attention (12 x layers x hidden x seq_len), per token."""
-    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and "embed" not in n)
+    dense = sum(dense_numel(p, tp) for n, p in model.named_parameters() if ".experts." not in n and "embed" not in n)
     local_experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     active_experts = local_experts * world * moe_cfg.topk / moe_cfg.num_experts
     return 6 * (dense + active_experts) + 12 * mcfg.num_layers * mcfg.hidden * seq_len
@@ -71,18 +100,20 @@ def flops_per_token(model: torch.nn.Module, mcfg: ModelConfig, moe_cfg: MoEConfi
 def run_rank(args) -> dict:
     ctx = tilecomm.current()
     world, rank = ctx.world_size, ctx.rank
-    layout = ParallelLayout(world, cp=args.cp, ep=world)  # attention: cp x dp = W; MoE: ep = W, edp = 1
+    check_parallel_sizes(args, world)
+    layout = ParallelLayout(world, tp=args.tp, cp=args.cp, ep=world)  # attention: tp x cp x dp = W; MoE: ep = W
     layout.check_trainable()
     groups = layout.create_groups()
-    data, mcfg, moe_cfg, tcfg, model = build(args, world, rank, ctx.device, groups.cp if args.cp > 1 else None)
-    dp_rank = groups.ranks["dp"].index(rank)  # ranks of one CP group read the same sequences
+    cp_group, tp_group = groups.cp if args.cp > 1 else None, groups.tp if args.tp > 1 else None
+    data, mcfg, moe_cfg, tcfg, model = build(args, world, rank, ctx.device, cp_group, tp_group)
+    dp_rank = groups.ranks["dp"].index(rank)  # ranks of one CP x TP group read the same sequences
     trainer = Trainer(model, data, tcfg, dp_group=groups.dp_cp, edp_group=groups.edp, ep_group=groups.ep,
-                      cp_group=groups.cp if args.cp > 1 else None, dp_rank=dp_rank, ep_rank=rank,
-                      flops_per_token=flops_per_token(model, mcfg, moe_cfg, world, tcfg.seq_len),
+                      cp_group=cp_group, tp_group=tp_group, dp_rank=dp_rank, ep_rank=rank,
+                      flops_per_token=flops_per_token(model, mcfg, moe_cfg, world, tcfg.seq_len, args.tp),
                       config_record=dict(preset=args.preset, world=world, cp=args.cp, seed=args.seed, data=args.data,
                                          experts=moe_cfg.num_experts))
     history = trainer.train()
-    params = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    params = sum(dense_numel(p, args.tp) for n, p in model.named_parameters() if ".experts." not in n)
     params += sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * world
     return dict(first=history[0]["loss"] if history else None, last=history[-1]["loss"] if history else None,
                 floor=getattr(data, "entropy_floor", None), steps=trainer.step, params=params,
@@ -100,6 +131,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--recompute", action="store_true", help="activation recompute per block")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (divides the world size)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of attention and the dense MLP, with "
+                   "sequence parallelism (tp x cp divides the world size; divides num_heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     args = p.parse_args()
@@ -107,6 +140,10 @@ def main() -> None:
     args.preset = args.preset or ("h200x4" if backend == "cuda" else "cpu-tiny")
     if args.data and not os.path.exists(args.data):
         p.error(f"--data {args.data!r}: no such file")
+    try:  # bad --tp / --cp fail here, before any rank starts
+        check_parallel_sizes(args, int(os.environ.get("WORLD_SIZE", args.world_size)))
+    except ValueError as e:
+        p.error(str(e))
     if "RANK" in os.environ:  # torchrun: this process is one rank
         tilecomm.init(backend=backend)
         results = [run_rank(args)]

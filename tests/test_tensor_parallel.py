@@ -2,6 +2,11 @@
 equals the one-rank model and one-process training; checkpoints resume; bad setups fail clearly."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +15,7 @@ import tilecomm
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TrainConfig, Trainer,
                           Transformer, make_dispatcher)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=2, ffn_hidden=32, num_dense_layers=1, max_seq_len=16)
 
 
@@ -172,3 +178,25 @@ def bad_tp_setups():
 
 def test_bad_tp_setups(ranks):
     ranks(2).run(bad_tp_setups)
+
+
+def _example(*flags, timeout=300):
+    env = {**os.environ, "TILECOMM_TIMEOUT_S": "60"}
+    return subprocess.run([sys.executable, "examples/pretrain_moe.py", *flags], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_pretrain_example_with_tp(tmp_path):
+    out = tmp_path / "run"
+    proc = _example("--world-size", "2", "--tp", "2", "--steps", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] and rows[0]["loss"] > 0
+    assert json.loads((out / "checkpoint" / "tilecomm_config.json").read_text())["tensor_parallel"] == 2
+
+
+@pytest.mark.parametrize("flags,message", [(["--tp", "3"], "must divide the world size"),
+                                           (["--world-size", "3", "--tp", "3"], "num_heads=4")])
+def test_pretrain_example_refuses_bad_tp(tmp_path, flags, message):
+    proc = _example(*flags, "--out", str(tmp_path / "bad"), timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
