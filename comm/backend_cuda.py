@@ -111,6 +111,11 @@ class CudaDeviceState(ErrorRecord):
         torch.cuda.synchronize()
         ctx.boot.barrier()
 
+    def set_timeout(self, seconds: float) -> None:
+        """The wait limit kernels read from the device-state block (word 2, ns)."""
+        self.timeout_s = seconds
+        self.state[2].fill_(int(seconds * 1e9))
+
     def close(self) -> None:
         """Free the NVSHMEM heap and finalize NVSHMEM (the process blocks stay for a later init)."""
         nvshmem = _nvshmem()

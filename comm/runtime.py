@@ -140,6 +140,16 @@ def check_errors() -> None:
         _CTX.device_state.raise_if_error()
 
 
+def set_timeout(seconds: float) -> None:
+    """Change the limit of every later device-side wait of this rank (see `init(timeout_s=...)`)."""
+    if not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"tilecomm.set_timeout: seconds={seconds!r}; expected a positive number of seconds")
+    ctx = current()
+    ctx.timeout_s = float(seconds)
+    if hasattr(ctx.device_state, "set_timeout"):
+        ctx.device_state.set_timeout(float(seconds))
+
+
 def rank() -> int:
     return current().rank
 

@@ -114,19 +114,24 @@ class GroupedSwiGLUExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.stack(gu).to(device=device, dtype=dtype))
         self.w_down = nn.Parameter(torch.stack(dn).to(device=device, dtype=dtype))
 
-    def use_grouped(self) -> bool:
+    def use_grouped(self, dtype: Optional[torch.dtype] = None) -> bool:
+        """Whether forward runs torch._grouped_mm for inputs of `dtype` (default: the weights')."""
         if self.impl != "auto":
             return self.impl == "grouped"
-        return grouped_mm_works(self.w_down.device, self.w_down.dtype, self.hidden, self.ffn_hidden)
+        return grouped_mm_works(self.w_down.device, dtype or self.w_down.dtype, self.hidden, self.ffn_hidden)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [R, H] expert-major, tokens_per_expert [E_l] (sums to R) -> [R, H]."""
         if tuple(tokens_per_expert.shape) != (self.num_local_experts,):
             raise ValueError(f"experts: tokens_per_expert must be [{self.num_local_experts}], got {tuple(tokens_per_expert.shape)}")
-        if self.use_grouped():
+        w_gate_up, w_down = self.w_gate_up, self.w_down
+        if torch.is_autocast_enabled(x.device.type):  # grouped GEMMs are no autocast ops: cast as matmul would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+        if self.use_grouped(w_down.dtype):
             offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)
-            return grouped_swiglu(x, self.w_gate_up, self.w_down, offs)
-        return loop_swiglu(x, self.w_gate_up, self.w_down, tokens_per_expert.tolist())
+            return grouped_swiglu(x, w_gate_up, w_down, offs)
+        return loop_swiglu(x, w_gate_up, w_down, tokens_per_expert.tolist())
 
 
 class SharedExpert(nn.Module):

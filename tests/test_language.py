@@ -159,10 +159,21 @@ def wait_times_out():
 
     ctx = tilecomm.current()
     sig = tilecomm.zeros((2,), torch.int64)
-    old, ctx.timeout_s = ctx.timeout_s, 0.5
+    old = ctx.timeout_s
+    for bad in (0, -1.0, "1"):
+        try:
+            tilecomm.set_timeout(bad)
+        except ValueError as err:
+            assert "seconds=" in str(err)
+        else:
+            raise AssertionError(f"set_timeout({bad!r}) was accepted")
+    tilecomm.set_timeout(0.5)
     start = time.monotonic()
     try:
         _wait_cmp_kernel[(1,)](sig[1:], 1, torch.zeros(1, dtype=torch.int64, device=dev()), CMP=tcl.CMP_EQ)
+        if sig.is_cuda:  # a GPU launch returns at once; the record is raised at the next check
+            torch.cuda.synchronize()
+        tilecomm.check_errors()
     except WaitTimeoutError as err:
         elapsed = time.monotonic() - start
         assert err.rank == ctx.rank and err.signal_addr == sig[1:].data_ptr()
@@ -171,7 +182,7 @@ def wait_times_out():
     else:
         raise AssertionError("wait without a signal returned")
     finally:
-        ctx.timeout_s = old
+        tilecomm.set_timeout(old)
     tilecomm.barrier()
     tilecomm.free(sig)
 
