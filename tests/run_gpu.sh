@@ -31,11 +31,11 @@ fi
 
 if has tests; then
   share=0; [ "$NGPU" -lt 4 ] && share=1
-  for transport in nvlink nvshmem; do
+  for transport in ${TRANSPORTS:-nvlink nvshmem}; do
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout "${TEST_TIMEOUT:-400}" \
-      python3 -m pytest -q -x -p no:cacheprovider tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
-      tests/test_overlap.py 2>&1 | tee -a "$OUT/tests.log" | tail -15
+      python3 -m pytest -q -x -p no:cacheprovider ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
+      tests/test_overlap.py} 2>&1 | tee -a "$OUT/tests.log" | tail -15
   done
 fi
 
