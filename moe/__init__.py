@@ -2,7 +2,8 @@
 
 router.py (top-k routing, load-balancing losses, capacity), experts.py (grouped SwiGLU experts),
 layer.py (MoELayer = router + swappable dispatcher + experts), parallel.py (MoE Parallel Folding rank
-groups, identical to Megatron-Core's), model.py (a small transformer), data.py, trainer.py,
+groups, identical to Megatron-Core's), model.py (a small transformer; tensor_parallel.py splits its
+attention and dense MLPs over a TP group), data.py, trainer.py,
 checkpoint.py (DCP). The example examples/pretrain_moe.py puts them together.
 """
 from .data import MarkovSource, TokenFile

@@ -7,7 +7,7 @@ how tokens reach experts (one process, or expert parallel over tilecomm/NCCL) is
 
 Context parallelism (`cp_group`): each of the C ranks of the group holds S/C consecutive positions
 of every sequence (rank c: positions c*S/C ...); attention all-gathers K and V inside the group
-(autograd-aware: the backward reduce-scatters their gradients) and masks causally by global position.
+(autograd-aware: the backward sums their gradients over the group) and masks causally by global position.
 
 Tensor parallelism with sequence parallelism (`tp_group` of T > 1 ranks, see tensor_parallel.py):
 attention heads and the dense MLP's width are split over the T ranks; between blocks each rank holds

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tilecomm
+from _reference import dev
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TrainConfig, Trainer,
                           Transformer, make_dispatcher)
 
@@ -66,9 +67,9 @@ def tp_model_body(tp, cp, router):
     world, rank = tilecomm.world_size(), tilecomm.rank()
     groups = ParallelLayout(world, tp=tp, cp=cp).create_groups()
     tp_rank, cp_rank = groups.ranks["tp"].index(rank), groups.ranks["cp"].index(rank)
-    full = _model(router=router)
-    par = _model(router=router, tp_group=groups.tp, cp_group=groups.cp if cp > 1 else None)
-    tokens = MarkovSource(vocab=32, seed=7).batch(0, 0, 2, 16)[:, :16]
+    full = _model(router=router).to(dev())
+    par = _model(router=router, tp_group=groups.tp, cp_group=groups.cp if cp > 1 else None).to(dev())
+    tokens = MarkovSource(vocab=32, seed=7).batch(0, 0, 2, 16)[:, :16].to(dev())
     chunk = 16 // cp
     mine = tokens[:, cp_rank * chunk:(cp_rank + 1) * chunk]
     logits_full, aux_full = full(tokens)
@@ -80,7 +81,7 @@ def tp_model_body(tp, cp, router):
     aux_sum = aux_par.detach().clone()
     dist.all_reduce(aux_sum)
     torch.testing.assert_close(aux_sum / world, aux_full.detach(), rtol=1e-5, atol=1e-7)
-    weight = torch.randn(logits_full.shape, generator=torch.Generator().manual_seed(11))
+    weight = torch.randn(logits_full.shape, generator=torch.Generator().manual_seed(11)).to(dev())
     (logits_full * weight).sum().add(aux_full).backward()
     w_mine = weight[:, cp_rank * chunk:(cp_rank + 1) * chunk].reshape(-1, 32)[tp_rank * n:(tp_rank + 1) * n]
     ((logits_par * w_mine).sum() + aux_par / world).backward()
@@ -158,7 +159,7 @@ def test_tp_checkpoint_resume_and_refusal(ranks, tmp_path):
 
 
 def bad_tp_setups():
-    tp = dist.group.WORLD
+    tp = dist.group.WORLD  # (errors come before any tensor meets a device)
     with pytest.raises(ValueError, match="num_heads"):
         Transformer(ModelConfig(**{**MODEL, "num_heads": 1}), tp_group=tp)
     with pytest.raises(ValueError, match="ffn_hidden"):
