@@ -5,31 +5,37 @@ import torch
 
 
 class ErrorRecord:
-    """int64 words [code, rank, a, b, c] a kernel fills once (first error wins), the host reads.
-    Codes: 1 wait timed out (a = signal address, b = expected, c = last seen), 2 a collective's counts
+    """int64 words [code, rank, a, b, c, d] a kernel fills once (first error wins), the host reads.
+    Codes: 1 wait timed out (a = signal address, b = expected, c = last seen, d = comparison), 2 a collective's counts
     disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E)."""
 
     def __init__(self, words: torch.Tensor):
         self.error = words
         self.error.zero_()
 
+    heap = None  # the backend's SymmetricHeap, to say where a timed-out signal word lies
+
     def take_error(self, code=None):
-        words = self.error.tolist()[:5]
+        """(code, rank, a, b, c) of the recorded error, cleared; None if none (or another code)."""
+        words = self.error.tolist()[:6]
         if words[0] == 0 or (code is not None and words[0] != code):
             return None
         self.error.zero_()
-        return tuple(words)
+        self._cmp = words[5]
+        return tuple(words[:5])
 
     def raise_if_error(self) -> None:
         from .errors import PeerMismatchError, WaitTimeoutError
+        from .language._constants import CMP_NAMES
 
         err = self.take_error()
         if err is None:
             return
         code, rank, a, b, c = err
         if code == 1:
-            raise WaitTimeoutError(rank, a, b, ">=/cmp", c, getattr(self, "timeout_s", float("nan")),
-                                   where="recorded on the device")
+            where = self.heap.describe(a) if self.heap is not None else "address not described"
+            raise WaitTimeoutError(rank, a, b, CMP_NAMES.get(self._cmp, f"cmp {self._cmp}"), c,
+                                   getattr(self, "timeout_s", float("nan")), where=f"{where}, recorded on the device")
         if code == 3:
             raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
         raise PeerMismatchError(f"rank {rank}: a collective expected {b} elements from rank {a}, which offers {c}")

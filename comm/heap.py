@@ -79,6 +79,11 @@ class SymmetricHeap:
                 return None
         return off
 
+    def describe(self, addr: int) -> str:
+        """Where a device address lies, for error messages."""
+        off = addr - self.base
+        return f"symmetric heap offset {off}" if 0 <= off < self.nbytes else "not on the symmetric heap"
+
     def contains(self, t: torch.Tensor) -> bool:
         return self.offset_of(t) is not None
 

@@ -97,14 +97,9 @@ def wait(sig, value, cmp):
         if time.monotonic() > deadline:
             addr = int(np.asarray(_py(sig)).reshape(-1)[0])
             raise WaitTimeoutError(ctx.rank, addr, int(np.asarray(expected).reshape(-1)[0]), CMP_NAMES[cmp],
-                                   int(words.reshape(-1)[0]), ctx.timeout_s, where=_describe(ctx, addr))
+                                   int(words.reshape(-1)[0]), ctx.timeout_s, where=ctx.heap.describe(addr))
         time.sleep(pause)
         pause = min(1e-3, pause * 2 + 1e-6)
-
-
-def _describe(ctx, addr: int) -> str:
-    off = addr - ctx.heap.base
-    return f"symmetric heap offset {off}" if 0 <= off < ctx.heap.nbytes else "not on the symmetric heap"
 
 
 def consume_token(x, token):

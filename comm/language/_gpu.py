@@ -249,6 +249,7 @@ def wait(sig, value, cmp: tl.constexpr):
                 tl.store(err + 2, sig.to(tl.int64))
                 tl.store(err + 3, tl.cast(value, tl.int64))
                 tl.store(err + 4, cur.to(tl.int64))
+                tl.store(err + 5, tl.full((), cmp, tl.int64))
                 tl.store(err, ERR_WAIT_TIMEOUT)
             ok = tl.full((), 2, tl.int32)
         else:
