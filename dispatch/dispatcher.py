@@ -122,9 +122,12 @@ class Dispatcher:
         self._stream.wait_stream(caller)
         with torch.cuda.stream(self._stream):
             yield outputs
-        for t in inputs + outputs:  # the caching allocator must not recycle these under the other stream
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(self._stream if t in inputs else caller)
+        # the caching allocator must not recycle these under the other stream (by identity: `in` would
+        # compare tensors elementwise)
+        for tensors, stream in ((inputs, self._stream), (outputs, caller)):
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(stream)
 
     def _check(self, x, topk_idx, topk_weights) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
