@@ -35,7 +35,7 @@ if has tests; then
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout "${TEST_TIMEOUT:-400}" \
       python3 -m pytest -q -x -p no:cacheprovider ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
-      tests/test_overlap.py} 2>&1 | tee -a "$OUT/tests.log" | tail -15
+      tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py} 2>&1 | tee -a "$OUT/tests.log" | tail -15
   done
 fi
 

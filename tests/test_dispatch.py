@@ -61,6 +61,9 @@ def dispatch_combine_body(seed, T_by_rank, H, K, E, dtype, backend, routing):
     res = d.dispatch(x, idx, w, async_op=bool(seed % 2))
     if res.work is not None:
         assert res.work.wait()
+    if x.is_cuda:  # a wait that timed out on the GPU is recorded there: raise it rather than compare
+        torch.cuda.synchronize()
+    tilecomm.check_errors()
     gathered = [None] * world
     dist.all_gather_object(gathered, (x.cpu(), idx.cpu(), w.cpu()))
     xs, idxs, ws = zip(*gathered)
