@@ -7,6 +7,20 @@ import torch.distributed as dist
 import tilecomm
 
 
+# The tiny transformer the MoE-stack tests train (tilecomm.moe.ModelConfig fields).
+MODEL = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=2, ffn_hidden=32, num_dense_layers=1, max_seq_len=16)
+
+
+class ConcatRanks:
+    """All W data-parallel ranks' batches of a step as one batch: what one process sees when it plays every rank."""
+
+    def __init__(self, data, world):
+        self.data, self.world = data, world
+
+    def batch(self, step, rank, batch_size, seq_len):
+        return torch.cat([self.data.batch(step, r, batch_size // self.world, seq_len) for r in range(self.world)])
+
+
 def dev() -> torch.device:
     """Where the running backend keeps its tensors (cpu ranks, or this rank's GPU)."""
     return tilecomm.current().device

@@ -11,21 +11,11 @@ import pytest
 import torch
 
 import tilecomm
+from _reference import MODEL, ConcatRanks as _Concat
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TrainConfig, Trainer,
                           Transformer)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = dict(vocab_size=32, hidden=16, num_layers=2, num_heads=2, ffn_hidden=32, num_dense_layers=1, max_seq_len=16)
-
-
-class _Concat:
-    """All W ranks' batches of a step as one batch: what one process sees when it plays every rank."""
-
-    def __init__(self, data, world):
-        self.data, self.world = data, world
-
-    def batch(self, step, rank, batch_size, seq_len):
-        return torch.cat([self.data.batch(step, r, batch_size // self.world, seq_len) for r in range(self.world)])
 
 
 def _model(world: int, dispatcher: str):
