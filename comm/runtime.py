@@ -36,6 +36,7 @@ class Context:
     boot: Bootstrap
     timeout_s: float
     device_state: object = None
+    collectives: object = None  # tilecomm.collectives.state.CollectiveState, made by init
     epoch: int = 0
     caches: dict = field(default_factory=dict)
     allocations: dict = field(default_factory=dict)  # heap offset -> (offset, id) of live `empty` tensors
@@ -86,10 +87,8 @@ def init(backend: str = "auto", heap_bytes: Optional[int] = None, timeout_s: Opt
     nbytes = heap_bytes if heap_bytes is not None else _env.heap_bytes()
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise ValueError(f"tilecomm.init: heap_bytes={heap_bytes!r}; expected a positive int")
-    limit = float(timeout_s) if timeout_s is not None else _env.timeout_s()
-    if limit <= 0:
-        raise ValueError(f"tilecomm.init: timeout_s={timeout_s!r}; expected a positive number of seconds")
-    boot = make_bootstrap(chosen)
+    limit = _env.check_timeout(timeout_s, "tilecomm.init: timeout_s") if timeout_s is not None else _env.timeout_s()
+    boot = make_bootstrap(chosen, limit)
     try:
         if chosen == "cpu":
             from . import backend_cpu as impl
@@ -98,6 +97,12 @@ def init(backend: str = "auto", heap_bytes: Optional[int] = None, timeout_s: Opt
         heap = impl.create_heap(boot, nbytes)
         ctx = Context(boot.rank, boot.world_size, chosen, heap.local.device, heap, boot, limit)
         ctx.device_state = impl.create_device_state(ctx)
+        from .collectives.state import CollectiveState
+
+        ctx.collectives = CollectiveState.create(ctx, _env.workspace_bytes(nbytes))
+        if chosen == "cuda":
+            torch.cuda.synchronize()
+        boot.barrier()  # every rank's signal words are zeroed before any peer signals them
     except BaseException:
         boot.close()
         raise
@@ -115,10 +120,12 @@ def finalize() -> None:
         return
     try:
         check_errors()
-        ctx.boot.barrier()
+        ctx.boot.barrier("tilecomm.finalize")
     finally:
         _CTX = None
         ctx.caches.clear()
+        if ctx.collectives is not None:
+            ctx.collectives.free()
         if hasattr(ctx.device_state, "close"):
             ctx.device_state.close()
         ctx.heap.close()
@@ -142,10 +149,11 @@ def check_errors() -> None:
 
 def set_timeout(seconds: float) -> None:
     """Change the limit of every later device-side wait of this rank (see `init(timeout_s=...)`)."""
-    if not isinstance(seconds, (int, float)) or not seconds > 0:
+    if not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
         raise ValueError(f"tilecomm.set_timeout: seconds={seconds!r}; expected a positive number of seconds")
     ctx = current()
     ctx.timeout_s = float(seconds)
+    ctx.boot.set_timeout(float(seconds))  # host-side waits too
     if hasattr(ctx.device_state, "set_timeout"):
         ctx.device_state.set_timeout(float(seconds))
 
@@ -164,7 +172,7 @@ def barrier() -> None:
     if ctx.backend == "cuda":
         torch.cuda.synchronize()
     check_errors()
-    ctx.boot.barrier()
+    ctx.boot.barrier("tilecomm.barrier")
 
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -183,7 +191,7 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> tor
     if dtype not in _DTYPES:
         raise ValueError(f"tilecomm.empty: dtype={dtype}; expected one of {[str(d) for d in _DTYPES]}")
     if ctx.world_size > 1:
-        seen = ctx.boot.all_gather_object((shape, str(dtype)))
+        seen = ctx.boot.all_gather_object((shape, str(dtype)), what="tilecomm.empty")
         if any(s != seen[0] for s in seen):
             from .errors import PeerMismatchError
 

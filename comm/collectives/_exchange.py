@@ -1,64 +1,44 @@
-"""The one protocol behind tilecomm's collectives: stage, signal, pull, acknowledge.
+"""The kernels behind tilecomm's collectives: one launch per call, no host synchronisation.
 
-Every rank r holds, on the symmetric heap, a send buffer and a table `meta[p] = (element offset
-on the heap, element count)` of what it offers rank p. For call number e (the epoch; every rank
-counts the same calls):
+Every call runs one persistent grid of `W * P` programs (W ranks, P programs per peer slot, fixed for
+the runtime's life, so every rank runs the same programs in the same order). Program `pid = k * P + q`
+on rank `me` serves one *pair slot*: it sends to `dst = me + k` and receives from `src = me - k`
+(mod W); the program with the same pid on `dst` is its reader, the one on `src` its writer. The self
+pair (k = 0) takes exactly the same path as a peer: a store through `symm_at(ptr, me)` is the NVLink
+store at distance 0.
 
-1. stage      copy the input into the send buffer (skipped when the input is already on the heap)
-              and write `meta`;
-2. announce   one program SETs `ready[r] = e` on every rank;
-3. pull       program (p, c) waits for `ready[p] >= e`, reads p's `meta[r]`, checks the count against
-              what this rank expects from p, and copies chunk c of it (or reduces it, for
-              reduce-scatter, over all p in rank order);
-4. finish     one program SETs `done[r] = e` on every rank, then waits for `done[p] >= e` for all p,
-              so no rank's send buffer is reused while a peer still reads it.
+Per call and slot (`e` = the slot's epoch, a device word the program bumps, so nothing is passed from
+the host and a captured CUDA graph replays correctly):
 
-Waits only ever wait for an earlier step of a peer, so the Triton interpreter (which runs a launch's
-programs one by one) never deadlocks, and on GPUs every wait has the runtime's timeout.
+1. header   the writer publishes `meta[pid] = (heap offset of its data, element count)` and SETs the
+            reader's `ready[pid] = e << 32`;
+2. stream   the data moves in chunks of CHUNK elements, chunk c = q, q + P, ... of the pair.
+            Staged (ordinary tensors): the writer copies chunk i into ring slot i % DEPTH of its
+            workspace and SETs `ready = e << 32 | i + 1`; the reader copies it from there into its
+            output and SETs the writer's `done = e << 32 | i + 1`; the writer reuses a ring slot only
+            once the reader is done with it. The ring is small (L2-resident on GPUs), so a staged call
+            reads and writes device memory about as often as one copy does.
+            In place (inputs on the symmetric heap): the reader copies straight from the writer's tensor.
+3. finish   the reader SETs `done = e << 32 | ALL`; the writer waits for it before it exits, so its
+            input (and ring) are free for the caller's next kernel, and no trailing barrier is needed.
+
+A reader checks the writer's count against what it expects; a mismatch is recorded as a device error
+(raised as PeerMismatchError at the next call) and the smaller count is moved. Reduce-scatter runs P
+programs that each own an output range and reduce every writer's chunk in rank order (fp32, int64 or
+fp64 accumulation); its signal words are the same pair slots.
+
+A program waits only for the program with its own pid on another rank, at an earlier step of the same
+call, so the Triton interpreter (programs one after another) never deadlocks, and on GPUs the grid is
+at most one program per SM, hence co-resident. Every wait has the runtime's timeout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
-
-import torch
-import triton
 import triton.language as tl
 
 from .. import language as tcl
-from .. import runtime
-from ..errors import PeerMismatchError, require
 from ..jit import jit
 
-CHUNK = 1 << 16  # elements one pull program copies
-BLOCK = 1024  # elements per load/store step inside a program
 ERR_COUNT_MISMATCH = 2
-
-# Element types moved as themselves; others are moved bit-for-bit as an integer of the same width.
-_AS_BITS = {torch.bool: torch.uint8, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
-
-
-@jit
-def _stage_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
-
-
-@jit
-def _announce_kernel(ready_ptr, epoch, world):
-    me = tcl.rank()
-    for pe in range(0, world):
-        tcl.signal(ready_ptr + me, epoch, pe, tcl.SIGNAL_SET)
-
-
-@jit
-def _finish_kernel(done_ptr, epoch, world):
-    me = tcl.rank()
-    for pe in range(0, world):
-        tcl.signal(done_ptr + me, epoch, pe, tcl.SIGNAL_SET)
-    for pe in range(0, world):
-        tcl.wait(done_ptr + pe, epoch, tcl.CMP_GE)
 
 
 @jit
@@ -73,150 +53,184 @@ def _record_error(err_ptr, code, a, b, c):
 
 
 @jit
-def _peer_chunk(heap_ptr, meta_ptr, ready_ptr, err_ptr, p, me, expected, epoch):
-    """Wait for p's announcement; return (address of p's chunk for me, its length), checked."""
-    tok = tcl.wait(ready_ptr + p, epoch, tcl.CMP_GE)
-    remote_meta = tcl.consume_token(tcl.symm_at(meta_ptr, p), tok)
-    src_off = tl.load(remote_meta + 2 * me)
-    count = tl.load(remote_meta + 2 * me + 1)
-    if count != expected:
-        _record_error(err_ptr, 2, p, expected, count)
-    return tcl.symm_at(heap_ptr, p) + src_off, tl.minimum(count, expected)
+def _peer_delta(ptr, pe):
+    """Element distance from ptr to the same symmetric object on pe (a multiple of 16 bytes)."""
+    elem = ptr.dtype.element_ty.primitive_bitwidth // 8
+    return (tcl.symm_at(ptr, pe).to(tl.int64) - ptr.to(tl.int64)) // elem
 
 
 @jit
-def _pull_kernel(out_ptr, heap_ptr, meta_ptr, recv_ptr, ready_ptr, err_ptr, epoch,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    p = tl.program_id(0)
-    c = tl.program_id(1)
-    me = tcl.rank()
-    dst_off = tl.load(recv_ptr + 2 * p)
-    expected = tl.load(recv_ptr + 2 * p + 1)
-    start = c.to(tl.int64) * CHUNK
-    if start < tl.maximum(expected, 1):
-        src, count = _peer_chunk(heap_ptr, meta_ptr, ready_ptr, err_ptr, p, me, expected, epoch)
-        end = tl.minimum(start + CHUNK, count)
-        for s in range(start, end, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            mask = offs < end
-            tl.store(out_ptr + dst_off + offs, tl.load(src + offs, mask=mask), mask=mask)
+def _copy(dst_ptr, dst_off, src_ptr, src_off, n, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """dst[dst_off : dst_off + n] = src[src_off : ...]; both offsets multiples of VEC elements (16 bytes)."""
+    dst_off = tl.multiple_of(dst_off, VEC)
+    src_off = tl.multiple_of(src_off, VEC)
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(src_ptr + src_off + offs, mask=mask, cache_modifier=".cg")
+        tl.store(dst_ptr + dst_off + offs, x, mask=mask)
 
 
 @jit
-def _pull_reduce_kernel(out_ptr, heap_ptr, meta_ptr, ready_ptr, err_ptr, epoch, n, world,
-                        OP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = op over p in rank order of p's chunk for me, accumulated in ACC."""
+def _chunks_of(count, q, P, CHUNK: tl.constexpr):
+    """How many of the chunks q, q + P, q + 2P, ... of a `count`-element pair exist."""
+    n = (count + CHUNK - 1) // CHUNK
+    return tl.maximum(n - q + P - 1, 0) // P
+
+
+@jit
+def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constexpr, base):
+    """Header of one pair slot: where my data for dst lies (heap element offset), how much, and whether
+    dst reads it in place (else through my ring); then SET dst's ready word to the epoch."""
+    tl.store(meta_ptr + 4 * slot, offset)
+    tl.store(meta_ptr + 4 * slot + 1, count)
+    tl.store(meta_ptr + 4 * slot + 2, tl.full((), IN_PLACE, tl.int64))
+    tcl.signal(ready_ptr + slot, base, dst, tcl.SIGNAL_SET)
+
+
+@jit
+def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base):
+    """Wait for src's header on `slot`; return (heap offset of its data, count to move, in place?)."""
+    tok = tcl.wait(ready_ptr + slot, base, tcl.CMP_GE)
+    remote = tcl.consume_token(tcl.symm_at(meta_ptr, src), tok)
+    offset = tl.load(remote + 4 * slot, cache_modifier=".cg")
+    offered = tl.load(remote + 4 * slot + 1, cache_modifier=".cg")
+    in_place = tl.load(remote + 4 * slot + 2, cache_modifier=".cg")
+    if offered != expected:
+        _record_error(err_ptr, 2, src, expected, offered)
+    return offset, tl.minimum(offered, expected), in_place
+
+
+@jit(do_not_specialize=["in_heap_off", "n_even", "P"])
+def _pairs_kernel(in_ptr, out_ptr, heap_ptr, ring_ptr, meta_ptr, ready_ptr, done_ptr, epoch_ptr, table_ptr, err_ptr,
+                  in_heap_off, n_even, P, EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr,
+                  CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
+    the input). Offsets and counts in elements; with EVEN every pair moves n_even elements, else
+    table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ... received from p."""
+    pid = tl.program_id(0)
+    k = pid // P
+    q = pid % P
     me = tcl.rank()
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    src, count = _peer_chunk(heap_ptr, meta_ptr, ready_ptr, err_ptr, 0, me, n, epoch)
-    acc = tl.load(src + offs, mask=mask & (offs < count)).to(ACC)
-    for p in range(1, world):
-        src, count = _peer_chunk(heap_ptr, meta_ptr, ready_ptr, err_ptr, p, me, n, epoch)
-        x = tl.load(src + offs, mask=mask & (offs < count)).to(acc.dtype)
-        if OP == 0:
-            acc = acc + x
-        elif OP == 1:
-            acc = tl.maximum(acc, x)
-        elif OP == 2:
-            acc = tl.minimum(acc, x)
-        else:
-            acc = acc * x
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _accumulator(dtype: torch.dtype):
-    if dtype == torch.float64:
-        return tl.float64
-    if dtype.is_floating_point:
-        return tl.float32
-    return tl.int64
-
-
-@dataclass
-class Workspace:
-    """Heap objects the collectives share, allocated once per context (collectively).
-
-    send: uint8 [workspace bytes]; meta: int64 [world, 2]; ready, done: int64 [world] signal words.
-    """
-
-    send: torch.Tensor
-    meta: torch.Tensor
-    ready: torch.Tensor
-    done: torch.Tensor
-
-
-def workspace(ctx) -> Workspace:
-    ws = ctx.caches.get("exchange")
-    if ws is None:
-        from .. import _env
-
-        w = ctx.world_size
-        nbytes = _env.workspace_bytes(ctx.heap.nbytes)
-        require(nbytes < ctx.heap.bytes_free(), f"TILECOMM_WORKSPACE_BYTES={nbytes} does not fit in the heap "
-                f"({ctx.heap.bytes_free()} bytes free)", MemoryError)
-        heap = ctx.heap
-        views = []
-        for shape, dtype in (((nbytes,), torch.uint8), ((w, 2), torch.int64), ((w,), torch.int64), ((w,), torch.int64)):
-            off = heap.alloc(shape[0] * (shape[1] if len(shape) > 1 else 1) * torch.empty((), dtype=dtype).element_size())
-            views.append(heap.view(heap.local, off, shape, dtype))
-        ws = Workspace(*views)
-        ws.ready.zero_()
-        ws.done.zero_()
-        runtime.barrier()
-        ctx.caches["exchange"] = ws
-    return ws
-
-
-def _raise_mismatch(ctx, what: str) -> None:
-    err = ctx.device_state.take_error(code=ERR_COUNT_MISMATCH)
-    if err is not None:
-        _, rank, peer, expected, got = err
-        raise PeerMismatchError(
-            f"{what}: rank {rank} expected {expected} elements from rank {peer}, but rank {peer} offers {got} "
-            f"(output_split_sizes on rank {rank} and input_split_sizes on rank {peer} disagree)")
-
-
-def exchange(ctx, what: str, src: torch.Tensor, send_table: Sequence[Tuple[int, int]], out: torch.Tensor,
-             recv_table: Sequence[Tuple[int, int]], reduce_op: Optional[int] = None) -> None:
-    """Run steps 1-4 of the module docstring.
-
-    src: contiguous 1-D tensor; send_table[p] = (element offset in src, element count) offered to p.
-    out: contiguous 1-D tensor; recv_table[p] = (element offset in out, element count) expected from p.
-    reduce_op: None to copy each peer's chunk to its recv_table place; else 0 sum, 1 max, 2 min, 3 prod,
-    and every peer's chunk (all of recv_table[p] count, same for all p) is reduced into out.
-    """
-    ws = workspace(ctx)
-    heap = ctx.heap
-    move = _AS_BITS.get(src.dtype, src.dtype)
-    src, out = src.view(move), out.view(move)
-    elem = src.element_size()
-    base = heap.offset_of(src) if src.numel() else 0  # nothing to offer: any offset will do
-    if base is None:
-        require(src.numel() * elem <= ws.send.numel(), f"{what}: input is {src.numel() * elem} bytes, more than the "
-                f"{ws.send.numel()}-byte staging workspace; raise TILECOMM_WORKSPACE_BYTES (or TILECOMM_HEAP_BYTES), "
-                "or pass an input allocated with tilecomm.empty (used in place)", MemoryError)
-        staged = ws.send[: src.numel() * elem].view(move)
-        if src.numel():
-            _stage_kernel[(triton.cdiv(src.numel(), 4096),)](src, staged, src.numel(), BLOCK=4096)
-        base = heap.offset_of(staged)
-    meta = torch.tensor([[base // elem + off, cnt] for off, cnt in send_table], dtype=torch.int64)
-    ws.meta.copy_(meta, non_blocking=False)
-    epoch = ctx.next_epoch()
-    world = ctx.world_size
-    heap_view = heap.local.view(move)
-    _announce_kernel[(1,)](ws.ready, epoch, world)
-    if reduce_op is None:
-        recv = torch.tensor(list(recv_table), dtype=torch.int64, device=out.device)
-        most = max((cnt for _, cnt in recv_table), default=0)
-        grid = (world, max(1, triton.cdiv(most, CHUNK)))
-        _pull_kernel[grid](out, heap_view, ws.meta, recv, ws.ready, ctx.device_state.error, epoch,
-                           CHUNK=CHUNK, BLOCK=BLOCK)
+    W = tcl.num_ranks()
+    dst = (me + k) % W
+    src = (me + W - k) % W
+    e = tl.load(epoch_ptr + pid) + 1
+    tl.store(epoch_ptr + pid, e)
+    base = e << 32
+    last = ((e + 1) << 32) - 1  # done word of a reader that has finished this call
+    if EVEN:
+        s_off = dst.to(tl.int64) * n_even * (1 - GATHER)
+        s_cnt = n_even + 0 * s_off
+        r_off = src.to(tl.int64) * n_even
+        r_cnt = s_cnt
     else:
-        n = recv_table[0][1]
-        _pull_reduce_kernel[(max(1, triton.cdiv(n, BLOCK)),)](out, heap_view, ws.meta, ws.ready,
-                                                              ctx.device_state.error, epoch, n, world,
-                                                              OP=reduce_op, ACC=_accumulator(out.dtype), BLOCK=BLOCK)
-    _finish_kernel[(1,)](ws.done, epoch, world)
-    if ctx.backend == "cpu":
-        _raise_mismatch(ctx, what)
+        s_off = tl.load(table_ptr + 2 * dst)
+        s_cnt = tl.load(table_ptr + 2 * dst + 1)
+        r_off = tl.load(table_ptr + 2 * W + 2 * src)
+        r_cnt = tl.load(table_ptr + 2 * W + 2 * src + 1)
+    _publish(meta_ptr, ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, base)
+    remote_off, cnt, remote_in_place = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base)
+    # interleave my sends to dst with my receives from src, chunk by chunk
+    n_send = _chunks_of(s_cnt, q, P, CHUNK) * (1 - IN_PLACE)
+    n_recv = _chunks_of(cnt, q, P, CHUNK)
+    slot0 = pid * DEPTH * CHUNK
+    peer_heap = _peer_delta(heap_ptr, src)
+    peer_ring = _peer_delta(ring_ptr, src)
+    for i in range(0, tl.maximum(n_send, n_recv)):
+        c = (q + i * P).to(tl.int64) * CHUNK
+        slot = slot0 + (i % DEPTH) * CHUNK
+        if i < n_send:
+            if i >= DEPTH:  # the reader must be done with what this ring slot held
+                tcl.wait(done_ptr + pid, base + i - DEPTH + 1, tcl.CMP_GE)
+            _copy(ring_ptr, slot, in_ptr, s_off + c, tl.minimum(CHUNK, s_cnt - c), BLOCK, VEC)
+            tcl.signal(ready_ptr + pid, base + i + 1, dst, tcl.SIGNAL_SET)
+        if i < n_recv:
+            if remote_in_place == 0:
+                tok = tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)
+                _copy(out_ptr, r_off + c, tcl.consume_token(ring_ptr, tok), peer_ring + slot,
+                      tl.minimum(CHUNK, cnt - c), BLOCK, VEC)
+                tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
+            else:
+                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + remote_off + c, tl.minimum(CHUNK, cnt - c),
+                      BLOCK, VEC)
+    # finish: src may reuse its data; wait until dst is done with mine
+    tcl.signal(done_ptr + pid, last, src, tcl.SIGNAL_SET)
+    tcl.wait(done_ptr + pid, last, tcl.CMP_GE)
+
+
+@jit
+def _combine(acc, x, OP: tl.constexpr):
+    if OP == 0:
+        acc = acc + x
+    elif OP == 1:
+        acc = tl.maximum(acc, x)
+    elif OP == 2:
+        acc = tl.minimum(acc, x)
+    else:
+        acc = acc * x
+    return acc
+
+
+@jit(do_not_specialize=["in_heap_off", "n", "P"])
+def _reduce_kernel(in_ptr, out_ptr, heap_ptr, ring_ptr, meta_ptr, ready_ptr, done_ptr, epoch_ptr, err_ptr,
+                   in_heap_off, n, P, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr,
+                   IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
+                   VEC: tl.constexpr):
+    """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
+    owns output chunks q, q + P, ... and uses the pair slots k * P + q of every k."""
+    q = tl.program_id(0)
+    me = tcl.rank()
+    W = tcl.num_ranks()
+    e = tl.load(epoch_ptr + q) + 1
+    base = e << 32
+    last = ((e + 1) << 32) - 1
+    n64 = n + 0 * e
+    for k in range(0, W):  # my header to every reader
+        dst = (me + k) % W
+        tl.store(epoch_ptr + k * P + q, e)
+        _publish(meta_ptr, ready_ptr, k * P + q, dst, in_heap_off + dst.to(tl.int64) * n64, n64, IN_PLACE, base)
+    for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
+        _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base)
+    for i in range(0, _chunks_of(n64, q, P, CHUNK)):
+        c = (q + i * P).to(tl.int64) * CHUNK
+        length = tl.minimum(CHUNK, n64 - c)
+        ring_slot = (i % DEPTH) * CHUNK
+        if not IN_PLACE:
+            for k in range(0, W):
+                slot = k * P + q
+                if i >= DEPTH:
+                    tcl.wait(done_ptr + slot, base + i - DEPTH + 1, tcl.CMP_GE)
+                _copy(ring_ptr, slot * DEPTH * CHUNK + ring_slot, in_ptr, ((me + k) % W).to(tl.int64) * n64 + c,
+                      length, BLOCK, VEC)
+                tcl.signal(ready_ptr + slot, base + i + 1, (me + k) % W, tcl.SIGNAL_SET)
+        for p in range(0, W):  # staged writers: their chunk i is in their ring
+            slot = ((me + W - p) % W) * P + q
+            if tl.load(tcl.symm_at(meta_ptr, p) + 4 * slot + 2, cache_modifier=".cg") == 0:
+                tcl.wait(ready_ptr + slot, base + i + 1, tcl.CMP_GE)
+        for s in range(0, length, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            mask = offs < length
+            acc = tl.zeros((BLOCK,), ACC)
+            for p in range(0, W):
+                slot = ((me + W - p) % W) * P + q
+                remote = tcl.symm_at(meta_ptr, p) + 4 * slot
+                if tl.load(remote + 2, cache_modifier=".cg") == 0:
+                    src = ring_ptr + _peer_delta(ring_ptr, p) + slot * DEPTH * CHUNK + ring_slot
+                else:
+                    src = heap_ptr + _peer_delta(heap_ptr, p) + tl.load(remote, cache_modifier=".cg") + c
+                x = tl.load(src + offs, mask=mask, cache_modifier=".cg").to(ACC)
+                acc = tl.where(p == 0, x, _combine(acc, x, OP))
+            if AVG:
+                acc = acc / W
+            tl.store(out_ptr + c + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        for p in range(0, W):
+            slot = ((me + W - p) % W) * P + q
+            if tl.load(tcl.symm_at(meta_ptr, p) + 4 * slot + 2, cache_modifier=".cg") == 0:
+                tcl.signal(done_ptr + slot, base + i + 1, p, tcl.SIGNAL_SET)
+    for p in range(0, W):
+        tcl.signal(done_ptr + ((me + W - p) % W) * P + q, last, p, tcl.SIGNAL_SET)
+    for k in range(0, W):
+        tcl.wait(done_ptr + k * P + q, last, tcl.CMP_GE)
+
+

@@ -10,7 +10,6 @@ from torch.distributed import ReduceOp
 
 from .. import runtime
 from ..errors import require
-from ._exchange import exchange
 
 _REDUCE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3}
 
@@ -77,12 +76,25 @@ def _offsets(counts: List[int]) -> List[int]:
     return out
 
 
+def _words(t: torch.Tensor):
+    """t flattened, and how many moved elements make one of t's (16-byte complex moves as two int64)."""
+    flat = t.reshape(-1)
+    if flat.element_size() > 8:
+        return flat.view(torch.int64), flat.element_size() // 8
+    return flat, 1
+
+
 def _a2a(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
     ctx = runtime.current()
-    row = math.prod(input.shape[1:]) if input.dim() > 1 else 1
+    src, scale = _words(input)
+    out, _ = _words(output)
+    row = (math.prod(input.shape[1:]) if input.dim() > 1 else 1) * scale
+    if len(set(in_splits)) == 1 and len(set(out_splits)) == 1 and in_splits[0] == out_splits[0]:
+        ctx.collectives.exchange(src, out, None, None, in_splits[0] * row, gather=False)
+        return
     send = [(o * row, c * row) for o, c in zip(_offsets(in_splits), in_splits)]
     recv = [(o * row, c * row) for o, c in zip(_offsets(out_splits), out_splits)]
-    exchange(ctx, "all_to_all_single", input.reshape(-1), send, output.view(-1), recv)
+    ctx.collectives.exchange(src, out, send, recv, 0, gather=False)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -116,19 +128,16 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
-    ctx = runtime.current()
-    n = input.numel()
-    exchange(ctx, "all_gather_into_tensor", input.reshape(-1), [(0, n)] * ctx.world_size, output.view(-1),
-             [(p * n, n) for p in range(ctx.world_size)])
+    src, _ = _words(input)
+    out, _ = _words(output)
+    runtime.current().collectives.exchange(src, out, None, None, src.numel(), gather=True)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op) -> None:
-    ctx = runtime.current()
-    n = output.numel()
-    exchange(ctx, "reduce_scatter_tensor", input.reshape(-1), [(p * n, n) for p in range(ctx.world_size)],
-             output.view(-1), [(0, n)] * ctx.world_size, reduce_op=_REDUCE_OPS[op])
-    if op == ReduceOp.AVG:
-        output.div_(ctx.world_size)
+    src, out = input.reshape(-1), output.view(-1)
+    if src.is_complex():  # a complex sum is the sum of its real and imaginary parts
+        src, out = torch.view_as_real(src).reshape(-1), torch.view_as_real(out).reshape(-1)
+    runtime.current().collectives.reduce_scatter(src, out, _REDUCE_OPS[op], average=op == ReduceOp.AVG)
 
 
 class _AllGather(torch.autograd.Function):
@@ -180,6 +189,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     require(op in _REDUCE_OPS, f"{what}: op={op}; expected ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
     require(output.dtype not in (torch.bool, torch.float8_e4m3fn, torch.float8_e5m2),
             f"{what}: dtype {output.dtype} cannot be reduced; use a floating or integer dtype", TypeError)
+    require(not (op == ReduceOp.AVG and not (output.dtype.is_floating_point or output.dtype.is_complex)),
+            f"{what}: op=AVG needs a floating dtype (got {output.dtype}): an integer average would round; "
+            "use SUM and divide", TypeError)
+    require(not (output.is_complex() and op not in (ReduceOp.SUM, ReduceOp.AVG)),
+            f"{what}: complex tensors reduce with SUM or AVG only (got {op})", TypeError)
     require(input.numel() == ctx.world_size * output.numel(),
             f"{what}: input has {input.numel()} elements; expected world_size ({ctx.world_size}) × output's {output.numel()}")
     if input.requires_grad and torch.is_grad_enabled():

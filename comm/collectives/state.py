@@ -1,0 +1,198 @@
+"""`CollectiveState`: everything the collectives keep between calls, created once by `tilecomm.init`.
+
+Sized once, from the world size and the GPU's SM count (or 1 program per peer on CPU ranks):
+
+    programs_per_peer  P: each call runs W * P programs (all_to_all, all_gather) or P (reduce_scatter)
+    chunk_bytes        bytes a program moves per step (one ring slot)
+    ring               uint8 [W * P * DEPTH * chunk_bytes] on the symmetric heap: the staging ring
+    meta               int64 [W * P, 4] on the heap: each pair slot's header (offset, count, in place)
+    ready, done        int64 [W * P] signal words on the heap
+    epochs             int64 [W * P] device words: the call count of each slot (bumped by the kernels)
+    tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
+                       directly (no H2D copy), reused round-robin once the call that used a slot is done
+
+Nothing is allocated per call. `free()` (called by `tilecomm.finalize`) returns the heap space.
+Any transfer size works: data streams through the ring. Calls are ordered on the current stream;
+a call returns once its kernel is queued.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import triton.language as tl
+
+from ..errors import PeerMismatchError, require
+from . import _exchange as kx
+
+DEPTH = 2  # ring slots per program: a program stages chunk i + 1 while its reader copies chunk i
+TABLE_SLOTS = 64
+_GPU_CHUNK_BYTES = 32 << 10  # 16 KiB per load step, two steps per chunk; the whole ring stays in L2
+_CPU_CHUNK_BYTES = 256 << 10
+_BLOCK_BYTES = 16 << 10  # bytes per load/store step of a program: 64 bytes in flight per thread (8 warps)
+# Element types moved bit for bit as an integer of the same width (all_to_all, all_gather).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _accumulator(dtype: torch.dtype):
+    if dtype == torch.float64:
+        return tl.float64
+    if dtype.is_floating_point:
+        return tl.float32
+    return tl.int64
+
+
+@dataclass
+class CollectiveState:
+    """See the module docstring. Made by `CollectiveState.create(ctx)` (collective: every rank)."""
+
+    ctx: object
+    programs_per_peer: int
+    chunk_bytes: int
+    ring: torch.Tensor
+    meta: torch.Tensor
+    ready: torch.Tensor
+    done: torch.Tensor
+    epochs: torch.Tensor
+    tables: torch.Tensor
+    num_warps: int
+    _table_views: List[torch.Tensor] = field(default_factory=list)
+    _table_events: List[Optional[torch.cuda.Event]] = field(default_factory=list)
+    _graph_tables: List[torch.Tensor] = field(default_factory=list)
+    _next_table: "itertools.count" = field(default_factory=itertools.count)
+    _last_table: int = 0
+
+    @classmethod
+    def create(cls, ctx, workspace_bytes: int) -> "CollectiveState":
+        W, heap = ctx.world_size, ctx.heap
+        on_gpu = ctx.backend == "cuda"
+        if on_gpu:
+            sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+            P = max(1, 2 * sms // W)  # at most two programs per SM: the grid is co-resident
+            chunk = _GPU_CHUNK_BYTES
+        else:
+            P, chunk = 1, _CPU_CHUNK_BYTES
+        chunk = min(chunk, (workspace_bytes // (W * P * DEPTH)) // 4096 * 4096)
+        require(chunk >= 4096, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
+                f"collectives need at least {W * P * DEPTH * 4096} bytes ({W * P} programs × {DEPTH} ring slots × 4 KiB)",
+                MemoryError)
+        slots = W * P
+
+        def heap_tensor(shape, dtype):
+            nbytes = torch.empty((), dtype=dtype).element_size()
+            for s in shape:
+                nbytes *= s
+            return heap.view(heap.local, heap.alloc(nbytes), shape, dtype)
+
+        ring = heap_tensor((slots * DEPTH * chunk,), torch.uint8)
+        meta = heap_tensor((slots, 4), torch.int64)
+        words = heap_tensor((2 * slots,), torch.int64)
+        words.zero_()
+        meta.zero_()
+        epochs = torch.zeros(slots, dtype=torch.int64, device=ctx.device)
+        tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
+        state = cls(ctx, P, chunk, ring, meta, words[:slots], words[slots:], epochs, tables, 8 if on_gpu else 1)
+        state._table_views = [tables[i] for i in range(TABLE_SLOTS)]
+        state._table_events = [None] * TABLE_SLOTS
+        state._tables_np = tables.numpy()
+        return state
+
+    def free(self) -> None:
+        """Return the heap space (finalize does it; the state is unusable afterwards)."""
+        heap = self.ctx.heap
+        for t in (self.ring, self.meta, self.ready):
+            if heap.local is not None:
+                heap.release(heap.offset_of(t))
+        self.ring = self.meta = self.ready = self.done = None
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _table(self, send: Sequence[Tuple[int, int]], recv: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """A pinned split table for one call: (offset, count) per peer, sent then received."""
+        flat = [v for pair in send for v in pair] + [v for pair in recv for v in pair]
+        if self.ctx.backend == "cuda" and torch.cuda.is_current_stream_capturing():
+            table = torch.tensor(flat, dtype=torch.int64).pin_memory()  # lives as long as the graph may replay
+            self._graph_tables.append(table)
+            return table
+        i = self._last_table = next(self._next_table) % TABLE_SLOTS
+        event = self._table_events[i]
+        if event is not None and not event.query():
+            event.synchronize()  # only when the GPU is TABLE_SLOTS calls behind the host
+        self._tables_np[i, : len(flat)] = flat
+        return self._table_views[i]
+
+    def _after_launch(self) -> None:
+        """Mark the table slot _table just handed out as in use until the queued kernel has run."""
+        if self.ctx.backend != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        i = self._last_table
+        event = self._table_events[i] or torch.cuda.Event()
+        event.record()
+        self._table_events[i] = event
+
+    def _placement(self, src: torch.Tensor, byte_offsets: Sequence[int]):
+        """(in_heap_off in elements, IN_PLACE): read src in place when it lies on the heap and every
+        piece a reader takes starts on a 16-byte boundary; else stage it through the ring."""
+        heap_off = self.ctx.heap.offset_of(src) if src.numel() else None
+        if heap_off is None or heap_off % 16 or any(o % 16 for o in byte_offsets):
+            return 0, False
+        return heap_off // src.element_size(), True
+
+    def _launch_config(self, elem: int, aligned: bool):
+        chunk = self.chunk_bytes // elem
+        block = min(chunk, _BLOCK_BYTES // elem) if self.ctx.backend == "cuda" else chunk
+        return dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block, VEC=16 // elem if aligned else 1, num_warps=self.num_warps)
+
+    # -- the collectives ----------------------------------------------------------------------------
+    def exchange(self, src: torch.Tensor, out: torch.Tensor, send: Optional[Sequence[Tuple[int, int]]],
+                 recv: Optional[Sequence[Tuple[int, int]]], n_even: int, gather: bool) -> None:
+        """all_to_all / all_gather on flat contiguous tensors. send[p] / recv[p] = (element offset,
+        count) to / from p; None with n_even elements per pair (offset p * n_even, or 0 for gather)."""
+        elem = src.element_size()
+        move = _BITS[elem]
+        src, out = src.view(move), out.view(move)
+        if send is None:
+            send_offs = [0] if gather else [p * n_even for p in range(self.ctx.world_size)]
+            recv_offs = [p * n_even for p in range(self.ctx.world_size)]
+        else:
+            send_offs, recv_offs = [o for o, _ in send], [o for o, _ in recv]
+        in_heap_off, in_place = self._placement(src, [o * elem for o in send_offs])
+        aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and \
+            all(o * elem % 16 == 0 for o in itertools.chain(send_offs, recv_offs))
+        table = self.epochs if send is None else self._table(send, recv)
+        heap = self.ctx.heap.local.view(move)
+        ring = self.ring.view(move)
+        kx._pairs_kernel[(self.ctx.world_size * self.programs_per_peer,)](
+            src, out, heap, ring, self.meta, self.ready, self.done, self.epochs, table, self.ctx.device_state.error,
+            in_heap_off, n_even, self.programs_per_peer, EVEN=send is None, GATHER=gather, IN_PLACE=in_place,
+            **self._launch_config(elem, aligned))
+        if send is not None:
+            self._after_launch()
+        self._raise_mismatch_now()
+
+    def reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, op: int, average: bool) -> None:
+        """out[j] = op over ranks of their src[rank * n + j] (flat contiguous tensors, n = out.numel())."""
+        n = out.numel()
+        elem = src.element_size()
+        in_heap_off, in_place = self._placement(src, [p * n * elem for p in range(self.ctx.world_size)])
+        aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and n * elem % 16 == 0
+        heap = self.ctx.heap.local.view(src.dtype)
+        ring = self.ring.view(src.dtype)
+        kx._reduce_kernel[(self.programs_per_peer,)](
+            src, out, heap, ring, self.meta, self.ready, self.done, self.epochs, self.ctx.device_state.error,
+            in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype), AVG=average,
+            IN_PLACE=in_place, **self._launch_config(elem, aligned))
+        self._raise_mismatch_now()
+
+    def _raise_mismatch_now(self) -> None:
+        """CPU ranks ran the kernel already: raise a count mismatch at once (GPUs: at the next call)."""
+        if self.ctx.backend != "cpu":
+            return
+        err = self.ctx.device_state.take_error(code=kx.ERR_COUNT_MISMATCH)
+        if err is not None:
+            _, rank, peer, expected, got = err
+            raise PeerMismatchError(
+                f"rank {rank} expected {expected} elements from rank {peer}, but rank {peer} offers {got} "
+                f"(output_split_sizes on rank {rank} and input_split_sizes on rank {peer} disagree, or the "
+                "ranks called different collectives)")
