@@ -3,7 +3,10 @@
 | variable                  | default   | meaning                                                        |
 |---------------------------|-----------|----------------------------------------------------------------|
 | TILECOMM_BACKEND          | auto      | "auto", "cuda" or "cpu"; `init(backend=...)` overrides it       |
-| TILECOMM_TIMEOUT_S        | 60        | seconds any device-side wait may spin before it fails          |
+| TILECOMM_TIMEOUT_S        | 60        | seconds any wait on another rank may take before it fails:     |
+|                           |           | device-side spins, host barriers and object exchanges, the     |
+|                           |           | rendezvous and process groups of RankPool / RANK/WORLD_SIZE    |
+|                           |           | starts, RankPool joins (a finite number > 0)                   |
 | TILECOMM_HEAP_BYTES       | 256 MiB   | size of each rank's symmetric heap                             |
 | TILECOMM_WORKSPACE_BYTES  | 1/4 heap  | staging space the collectives keep on the heap                 |
 | TILECOMM_TRANSPORT        | nvlink    | GPU kernels: "nvlink" (direct loads/stores, NVSHMEM for peers  |
@@ -14,7 +17,9 @@ Nothing else in the package touches `os.environ`.
 """
 from __future__ import annotations
 
+import math
 import os
+from typing import Mapping, Optional
 
 _MIB = 1 << 20
 
@@ -30,9 +35,12 @@ def _parse_bytes(name: str, default: int) -> int:
             text, scale = text[: -len(suffix)], mult
             break
     try:
-        value = int(float(text) * scale)
+        number = float(text) * scale
     except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
         raise ValueError(f"{name}={raw!r}: expected a byte count such as 268435456, 256MiB or 1GiB") from None
+    value = int(number)
     if value <= 0:
         raise ValueError(f"{name}={raw!r}: expected a positive byte count")
     return value
@@ -45,15 +53,21 @@ def backend() -> str:
     return value
 
 
-def timeout_s() -> float:
-    raw = os.environ.get("TILECOMM_TIMEOUT_S", "60")
+def check_timeout(value, what: str) -> float:
+    """value as float seconds if it is a finite number > 0, else ValueError naming `what`."""
     try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"TILECOMM_TIMEOUT_S={raw!r}: expected a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"TILECOMM_TIMEOUT_S={raw!r}: expected a positive number of seconds")
-    return value
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{what}={value!r}: expected a finite number of seconds > 0, such as 60")
+    return seconds
+
+
+def timeout_s(environ: Optional[Mapping[str, str]] = None) -> float:
+    """TILECOMM_TIMEOUT_S of `environ` (default: this process's environment)."""
+    raw = (os.environ if environ is None else environ).get("TILECOMM_TIMEOUT_S", "60")
+    return check_timeout(raw.strip() if isinstance(raw, str) else raw, "TILECOMM_TIMEOUT_S")
 
 
 def heap_bytes() -> int:

@@ -10,6 +10,7 @@ import mmap
 import os
 import tempfile
 import uuid
+from typing import Optional
 
 import torch
 
@@ -35,18 +36,39 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+def shm_shortfall(nbytes: int, world_size: int) -> Optional[str]:
+    """Why `world_size` segments of `nbytes` do not fit the free space of the shared-memory folder
+    (None when they do). Segments are sparse until touched: without this check a heap larger than
+    /dev/shm is accepted and a rank dies of SIGBUS when a write first reaches the missing pages."""
+    try:
+        st = os.statvfs(_SHM_DIR)
+    except OSError:
+        return None
+    free, need = st.f_bavail * st.f_frsize, nbytes * world_size
+    if need <= free:
+        return None
+    gib = 1 << 30
+    return (f"tilecomm.init: the symmetric heap needs {world_size} x {nbytes} B = {need / gib:.2f} GiB of shared memory, "
+            f"but {_SHM_DIR} has {free / gib:.2f} GiB free; lower TILECOMM_HEAP_BYTES (or init(heap_bytes=...)) or "
+            f"enlarge {_SHM_DIR} (docker: --shm-size)")
+
+
 def create_heap(boot: Bootstrap, nbytes: int) -> SymmetricHeap:
     """Collective: every rank gets a SymmetricHeap whose peers[pe] is pe's segment in this process."""
-    token = boot.broadcast_object(uuid.uuid4().hex[:16] if boot.rank == 0 else None)
+    # rank 0 decides for all (free space changes between ranks' looks), so every rank raises alike
+    first = (uuid.uuid4().hex[:16], shm_shortfall(nbytes, boot.world_size)) if boot.rank == 0 else None
+    token, shortfall = boot.broadcast_object(first, what="tilecomm.init (heap)")
+    if shortfall:
+        raise MemoryError(shortfall)
     own = segment_path(token, boot.rank)
     maps = [None] * boot.world_size
     try:
         maps[boot.rank] = _map(own, nbytes, create=True)
-        boot.barrier()
+        boot.barrier("tilecomm.init (heap)")
         for pe in range(boot.world_size):
             if pe != boot.rank:
                 maps[pe] = _map(segment_path(token, pe), nbytes, create=False)
-        boot.barrier()
+        boot.barrier("tilecomm.init (heap)")
     finally:
         if os.path.exists(own):
             os.unlink(own)
@@ -72,7 +94,7 @@ class CpuDeviceState(ErrorRecord):
         self.deltas = torch.tensor([p.data_ptr() - heap.base for p in heap.peers], dtype=torch.int64)
         self.timeout_s = ctx.timeout_s
         super().__init__(torch.zeros(8, dtype=torch.int64))
-        ctx.boot.barrier()
+        ctx.boot.barrier("tilecomm.init")
 
 
 def create_device_state(ctx) -> CpuDeviceState:

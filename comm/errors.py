@@ -28,6 +28,31 @@ class WaitTimeoutError(TilecommError, TimeoutError):
         )
 
 
+class HostWaitError(TilecommError):
+    """A host-side exchange between ranks (a barrier, `tilecomm.empty`, init, finalize) failed: a peer
+    rank exited or closed its connection. The runtime cannot continue after it: finalize and exit.
+    Attributes: rank (who waited), what (the call)."""
+
+    def __init__(self, rank: int, what: str, message: str):
+        self.rank, self.what = rank, what
+        super().__init__(f"rank {rank}: {what}: {message}")
+
+
+class HostTimeoutError(HostWaitError, TimeoutError):
+    """A host-side wait for the other ranks took longer than TILECOMM_TIMEOUT_S (`.timeout_s`)."""
+
+    def __init__(self, rank: int, what: str, timeout_s: float, detail: str = ""):
+        self.timeout_s = timeout_s
+        super().__init__(rank, what, f"the other ranks did not join within {timeout_s:g} s (TILECOMM_TIMEOUT_S): "
+                                     f"a peer rank failed, skipped this call or made another collective call first"
+                                     + (f" ({detail})" if detail else ""))
+
+
+class OutOfBoundsError(TilecommError, IndexError):
+    """A device primitive was given a PE out of range or an address outside the symmetric heap
+    (checked on CPU ranks always, on GPUs with TILECOMM_CHECK=1)."""
+
+
 class PeerMismatchError(TilecommError):
     """Ranks disagreed on something that must match across the group (shapes, split sizes)."""
 
