@@ -5,6 +5,12 @@ patched to act on raw addresses. These functions use those same `tl` operations 
 shared-memory heap: a peer's copy of a symmetric object is at `ptr + delta[pe]` in this process
 (every rank maps every segment), and the interpreter's atomics are real atomics on that memory.
 A wait that runs past the timeout raises `WaitTimeoutError` right here.
+
+Bounds are always checked here (they cost nothing next to the interpreter): every PE must be in
+[0, num_ranks()), and every symmetric address (put's destination, get's source, symm_at's pointer,
+signal and wait words, the whole nelems range of a put/get) must lie inside the symmetric heap;
+otherwise `OutOfBoundsError` names the primitive, the rank and the bad value instead of a write
+to unknown memory or a segfault. put's source and get's destination are local and not checked.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import triton.language as tl
 from triton.runtime.interpreter import _implicit_cvt
 
 from .. import runtime
-from ..errors import WaitTimeoutError
+from ..errors import OutOfBoundsError, WaitTimeoutError
 from ._constants import CMP_GE, CMP_NAMES, SIGNAL_ADD, SIGNAL_SET, compare_numpy
 
 _COPY_BLOCK = 1 << 14
@@ -44,16 +50,56 @@ def num_ranks():
     return tl.full((), runtime.current().world_size, tl.int32)
 
 
-def symm_at(ptr, pe):
-    """Address of the same symmetric object on rank `pe` (scalar or block of pointers / pes)."""
+def _elem_bytes(ptr) -> int:
+    return ptr.dtype.element_ty.primitive_bitwidth // 8
+
+
+def _check_pe(pe, what: str) -> None:
+    ctx = runtime.current()
+    pes = np.asarray(_py(pe)).reshape(-1)
+    bad = pes[(pes < 0) | (pes >= ctx.world_size)]
+    if bad.size:
+        raise OutOfBoundsError(f"rank {ctx.rank}: tcl.{what}: pe={int(bad[0])} is out of range; "
+                               f"expected 0 <= pe < num_ranks() = {ctx.world_size}")
+
+
+def _check_heap(ptr, nelems: int, what: str, arg: str) -> None:
+    """Every address of `ptr` (and the nelems elements from it) inside this rank's symmetric heap."""
+    ctx = runtime.current()
+    heap = ctx.heap
+    addrs = np.asarray(_py(ptr)).astype(np.uint64).reshape(-1)
+    if not addrs.size:
+        return
+    lo, hi = int(addrs.min()), int(addrs.max()) + max(nelems, 1) * _elem_bytes(ptr)
+    if lo < heap.base or hi > heap.base + heap.nbytes:
+        bad = lo if lo < heap.base or lo >= heap.base + heap.nbytes else int(addrs.max())
+        raise OutOfBoundsError(
+            f"rank {ctx.rank}: tcl.{what}: {arg} spans [0x{lo:x}, 0x{hi:x}), outside the symmetric heap "
+            f"[0x{heap.base:x}, 0x{heap.base + heap.nbytes:x}) ({heap.describe(bad)}); pass a pointer into a "
+            f"tensor from tilecomm.empty/zeros, with the whole range inside it")
+
+
+def _nelems(nelems, what: str) -> int:
+    n = int(_py(nelems))
+    if n < 0:
+        raise OutOfBoundsError(f"rank {runtime.current().rank}: tcl.{what}: nelems={n}; expected >= 0")
+    return n
+
+
+def _symm_at(ptr, pe):
     _, state = _state()
     delta_bytes = tl.load(_implicit_cvt(state.deltas) + pe)
-    elem = ptr.dtype.element_ty.primitive_bitwidth // 8
-    return ptr + delta_bytes // elem
+    return ptr + delta_bytes // _elem_bytes(ptr)
 
 
-def _copy(dst, src, nelems):
-    n = int(_py(nelems))
+def symm_at(ptr, pe):
+    """Address of the same symmetric object on rank `pe` (scalar or block of pointers / pes)."""
+    _check_pe(pe, "symm_at")
+    _check_heap(ptr, 1, "symm_at", "ptr")
+    return _symm_at(ptr, pe)
+
+
+def _copy(dst, src, n: int):
     for start in range(0, n, _COPY_BLOCK):
         offs = start + tl.arange(0, _COPY_BLOCK)
         mask = offs < n
@@ -61,16 +107,24 @@ def _copy(dst, src, nelems):
 
 
 def put(dst, src, nelems, pe):
-    _copy(symm_at(dst, pe), src, nelems)
+    n = _nelems(nelems, "put")
+    _check_pe(pe, "put")
+    _check_heap(dst, n, "put", "dst")
+    _copy(_symm_at(dst, pe), src, n)
 
 
 def get(dst, src, nelems, pe):
-    _copy(dst, symm_at(src, pe), nelems)
+    n = _nelems(nelems, "get")
+    _check_pe(pe, "get")
+    _check_heap(src, n, "get", "src")
+    _copy(dst, _symm_at(src, pe), n)
 
 
 def signal(sig, value, pe, op):
     op = _py(op)
-    target = symm_at(sig, pe)
+    _check_pe(pe, "signal")
+    _check_heap(sig, 1, "signal", "sig")
+    target = _symm_at(sig, pe)
     value = tl.cast(value, sig.dtype.element_ty) if isinstance(value, tl.tensor) else value
     if op == SIGNAL_SET:
         tl.atomic_xchg(target, value, sem="release", scope="sys")
@@ -86,6 +140,7 @@ def wait(sig, value, cmp):
     cmp = _py(cmp)
     if cmp not in CMP_NAMES:
         raise ValueError(f"tcl.wait: cmp={cmp!r}; expected one of tcl.CMP_EQ/NE/GT/GE/LT/LE")
+    _check_heap(sig, 1, "wait", "sig")
     expected = _py(value)
     deadline = time.monotonic() + ctx.timeout_s
     pause = 0.0
