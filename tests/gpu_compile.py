@@ -26,19 +26,27 @@ from tilecomm.overlap import tiles as ot  # noqa: E402
 
 og = importlib.import_module("tilecomm.overlap.ag_gemm")  # the package re-exports functions of these names
 rs = importlib.import_module("tilecomm.overlap.gemm_rs")
+gr = importlib.import_module("tilecomm.overlap.grouped")
 
 I64P, I64 = "*i64", "i64"
+# the tile GEMM's constexprs (tiles.GemmConfig's fields and the operand layout flags) as compiled on GPUs
+GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_SPLIT": 2, "WARP_SPECIALIZE": False,
+        "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
+GEMM_SIG = {k: "constexpr" for k in GEMM}
 CASES = [
-    (ex._stage_kernel, {"src_ptr": "*bf16", "dst_ptr": "*bf16", "n": I64, "BLOCK": "constexpr"}, {"BLOCK": 4096}),
-    (ex._announce_kernel, {"ready_ptr": I64P, "epoch": I64, "world": "i32"}, {}),
-    (ex._finish_kernel, {"done_ptr": I64P, "epoch": I64, "world": "i32"}, {}),
-    (ex._pull_kernel, {"out_ptr": "*bf16", "heap_ptr": "*bf16", "meta_ptr": I64P, "recv_ptr": I64P, "ready_ptr": I64P,
-                       "err_ptr": I64P, "epoch": I64, "CHUNK": "constexpr", "BLOCK": "constexpr"},
-     {"CHUNK": 65536, "BLOCK": 1024}),
-    (ex._pull_reduce_kernel, {"out_ptr": "*fp32", "heap_ptr": "*fp32", "meta_ptr": I64P, "ready_ptr": I64P,
-                              "err_ptr": I64P, "epoch": I64, "n": I64, "world": "i32", "OP": "constexpr",
-                              "ACC": "constexpr", "BLOCK": "constexpr"},
-     {"OP": 0, "ACC": triton.language.float32, "BLOCK": 1024}),
+    (ex._pairs_kernel, {"in_ptr": "*i16", "out_ptr": "*i16", "heap_ptr": "*i16", "ring_ptr": "*i16", "meta_ptr": I64P,
+                        "ready_ptr": I64P, "done_ptr": I64P, "epoch_ptr": I64P, "table_ptr": I64P, "err_ptr": I64P,
+                        "in_heap_off": I64, "n_even": I64, "P": "i32", "EVEN": "constexpr", "GATHER": "constexpr",
+                        "IN_PLACE": "constexpr", "CHUNK": "constexpr", "DEPTH": "constexpr", "BLOCK": "constexpr",
+                        "VEC": "constexpr"},
+     {"EVEN": False, "GATHER": False, "IN_PLACE": False, "CHUNK": 16384, "DEPTH": 2, "BLOCK": 8192, "VEC": 8}),
+    (ex._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "ring_ptr": "*bf16",
+                         "meta_ptr": I64P, "ready_ptr": I64P, "done_ptr": I64P, "epoch_ptr": I64P, "err_ptr": I64P,
+                         "in_heap_off": I64, "n": I64, "P": "i32", "OP": "constexpr", "ACC": "constexpr",
+                         "AVG": "constexpr", "IN_PLACE": "constexpr", "CHUNK": "constexpr", "DEPTH": "constexpr",
+                         "BLOCK": "constexpr", "VEC": "constexpr"},
+     {"OP": 0, "ACC": triton.language.float32, "AVG": False, "IN_PLACE": False, "CHUNK": 16384, "DEPTH": 2,
+      "BLOCK": 8192, "VEC": 8}),
     (lang._put_ring_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "sig_ptr": I64P, "n": "i32", "epoch": I64}, {}),
     (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
     (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),
@@ -63,25 +71,27 @@ CASES = [
                          "back_sig_ptr": I64P, "handle_epoch_ptr": I64P, "out_ptr": "*bf16", "K": "i32", "H": "i32",
                          "E_L": "i32", "W": "i32", "M": "i32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 256}),
     (og._push_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "flags_ptr": I64P, "consumed_ptr": I64P,
-                       "pes_ptr": "*i32", "epoch": I64, "m": "i32", "K": "i32", "me": "i32", "W": "i32",
-                       "BLOCK_M": "constexpr"}, {"BLOCK_M": 128}),
+                       "pes_ptr": "*i32", "epoch": I64, "m": "i32", "K": "i32", "stride_gm": "i32", "slot_stride": I64,
+                       "flag_stride": "i32", "me": "i32", "W": "i32", "BLOCK_M": "constexpr"}, {"BLOCK_M": 128}),
     (og._gemm_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": I64P,
-                       "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32", "stride_bk": "i32",
-                       "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-     {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
-    (rs._gemm_push_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
-                            "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32",
-                            "me": "i32", "W": "i32",
-                            "stride_bk": "i32", "stride_bn": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                            "BLOCK_K": "constexpr"}, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
-    (rs._reduce_kernel, {"recv_ptr": "*bf16", "flags_ptr": I64P, "out_ptr": "*bf16", "epoch": I64, "mb": "i32",
-                         "N": "i32", "W": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-     {"BLOCK_M": 128, "BLOCK_N": 256}),
+                       "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32", "stride_am": "i32",
+                       "stride_gm": "i32", "slot_stride": I64, "flag_stride": "i32", "stride_b": "i32",
+                       "stride_cm": "i32", **GEMM_SIG}, GEMM),
+    (rs._gemm_rs_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16",
+                          "flags_ptr": I64P, "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32",
+                          "N": "i32", "K": "i32", "me": "i32", "W": "i32", "tile_begin": "i32", "tile_end": "i32",
+                          "stride_am": "i32", "stride_b": "i32", "stride_om": "i32", "slot_stride": I64,
+                          "flag_stride": "i32", **GEMM_SIG}, GEMM),
+    (gr._rows_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
+                       "N": "i32", "E": "i32", "stride_xm": "i32", "stride_we": I64, "stride_w": "i32",
+                       "stride_ym": "i32", **GEMM_SIG, "E_PAD": "constexpr"}, dict(GEMM, E_PAD=256)),
+    (gr._wgrad_kernel, {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32",
+                        "K": "i32", "N": "i32", "E": "i32", "stride_xm": "i32", "stride_dym": "i32", "stride_dwe": I64,
+                        "stride_dw": "i32", **{k: v for k, v in GEMM_SIG.items() if k != "B_TRANS"}},
+     {k: v for k, v in GEMM.items() if k != "B_TRANS"}),
     (ov_team._release_kernel, {"consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "me": "i32", "W": "i32"}, {}),
     (ot._matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                         "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
-                         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-     {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}),
+                         "stride_am": "i32", "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG}, GEMM),
 ]
 
 
@@ -90,7 +100,9 @@ def main() -> None:
     libs = (("libnvshmem_device", _gpu.nvshmem_bitcode(arch=90)),)
     for fn, sig, consts in CASES:
         names = list(sig)
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        # pointers 16-byte aligned, as Triton specializes them at launch
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"extern_libs": libs, "num_warps": 8, "num_stages": 3})
         ptx = kernel.asm["ptx"]
@@ -100,6 +112,7 @@ def main() -> None:
             "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
             "state_addr_inlined": str(0x7F0000001000) in ptx, "wgmma": "wgmma" in ptx,
             "local_memory": ".local" in ptx, "shared_bytes": kernel.metadata.shared,
+            "tma": "cp.async.bulk.tensor" in ptx, "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
         }))
 
 

@@ -29,16 +29,18 @@ def nvshmem_available():
 
 def test_kernels_compile_for_sm90_nvlink_transport(nvshmem_available):
     rows = _compile("nvlink")
-    assert len(rows) == 21 and all(r["cubin_bytes"] > 0 for r in rows.values())
-    assert rows["_exchange._announce_kernel"]["release_sys_atomic"]  # signal: release at system scope
+    assert len(rows) == 19 and all(r["cubin_bytes"] > 0 for r in rows.values())
+    assert rows["_exchange._pairs_kernel"]["release_sys_atomic"]  # signal: release at system scope
+    assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_exchange._reduce_kernel"]["vector_16B"]
     assert rows["team._release_kernel"]["release_sys_atomic"]  # to PEs read from the team's table
     assert rows["test_language._wait_cmp_kernel"]["acquire_sys_atomic"] and rows["test_language._wait_cmp_kernel"]["globaltimer"]
     assert rows["test_language._symm_store_kernel"]["state_addr_inlined"]
-    for gemm in ("ag_gemm._gemm_kernel", "gemm_rs._gemm_push_kernel", "tiles._matmul_kernel"):  # Hopper tensor-core MMA, no local memory
-        assert rows[gemm]["wgmma"] and not rows[gemm]["local_memory"], rows[gemm]
+    for gemm in ("ag_gemm._gemm_kernel", "gemm_rs._gemm_rs_kernel", "tiles._matmul_kernel", "grouped._rows_kernel",
+                 "grouped._wgrad_kernel"):  # Hopper tensor-core MMA fed by TMA, no local memory (spills)
+        assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
 
 
 def test_kernels_compile_for_sm90_nvshmem_transport(nvshmem_available):
     rows = _compile("nvshmem")
-    assert len(rows) == 21
-    assert rows["_exchange._announce_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]
+    assert len(rows) == 19
+    assert rows["_exchange._pairs_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]

@@ -61,14 +61,18 @@ def _peer_delta(ptr, pe):
 
 @jit
 def _copy(dst_ptr, dst_off, src_ptr, src_off, n, BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """dst[dst_off : dst_off + n] = src[src_off : ...]; both offsets multiples of VEC elements (16 bytes)."""
-    dst_off = tl.multiple_of(dst_off, VEC)
-    src_off = tl.multiple_of(src_off, VEC)
-    for s in range(0, n, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
+    """dst[dst_off : dst_off + n] = src[src_off : ...]; both offsets multiples of VEC elements (16 bytes).
+    Whole blocks go unmasked (16-byte vectors), the tail masked."""
+    dst = dst_ptr + dst_off // VEC * VEC  # (an identity here) tells the compiler the alignment
+    src = src_ptr + src_off // VEC * VEC
+    full = n // BLOCK * BLOCK
+    for s in range(0, full, BLOCK):
+        offs = tl.multiple_of(s, BLOCK) + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, cache_modifier=".cg"))
+    if full < n:
+        offs = full + tl.arange(0, BLOCK)
         mask = offs < n
-        x = tl.load(src_ptr + src_off + offs, mask=mask, cache_modifier=".cg")
-        tl.store(dst_ptr + dst_off + offs, x, mask=mask)
+        tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=".cg"), mask=mask)
 
 
 @jit
@@ -147,8 +151,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, ring_ptr, meta_ptr, ready_ptr, done
             tcl.signal(ready_ptr + pid, base + i + 1, dst, tcl.SIGNAL_SET)
         if i < n_recv:
             if remote_in_place == 0:
-                tok = tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)
-                _copy(out_ptr, r_off + c, tcl.consume_token(ring_ptr, tok), peer_ring + slot,
+                tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
+                _copy(out_ptr, r_off + c, ring_ptr, peer_ring + slot,
                       tl.minimum(CHUNK, cnt - c), BLOCK, VEC)
                 tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:

@@ -22,7 +22,7 @@ from .. import _env
 
 STATE_ADDR = tl.constexpr(0)
 TRANSPORT_NVSHMEM = tl.constexpr(_env.transport() == "nvshmem")
-COPY_BLOCK = tl.constexpr(2048)
+COPY_BLOCK = tl.constexpr(4096)  # elements per step of one program: 32 per thread at 4 warps
 ERR_WAIT_TIMEOUT = tl.constexpr(1)
 
 _NVSHMEM_BC: dict = {}
@@ -166,11 +166,26 @@ def _compare(cur, value, cmp: tl.constexpr):
 
 
 @triton.jit
-def _copy(dst, src, nelems):
+def _copy(dst, src, nelems, CACHE: tl.constexpr):
+    """One program copies nelems elements, COPY_BLOCK per step (16-byte vectors where the compiler can
+    prove both pointers aligned, as for heap tensors indexed by multiples of 16 bytes)."""
     for start in range(0, nelems, COPY_BLOCK):
         offs = start + tl.arange(0, COPY_BLOCK)
         mask = offs < nelems
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=CACHE), mask=mask)
+
+
+@triton.jit
+def _delta_elems(ptr, pe):
+    """Element distance from ptr to its twin on pe, written as a product with 4096 / element size so
+    that `ptr + delta` keeps the alignment the compiler knows of ptr (heaps are page aligned)."""
+    elem = ptr.dtype.element_ty.primitive_bitwidth // 8
+    if TRANSPORT_NVSHMEM:
+        here = ptr.to(tl.int64)
+        delta = _nvshmem_ptr(here, tl.cast(pe, tl.int32)) - here
+    else:
+        delta = _delta(pe)
+    return delta // 4096 * (4096 // elem)
 
 
 # ---- primitives ------------------------------------------------------------------------------------
@@ -186,11 +201,7 @@ def num_ranks():
 
 @triton.jit
 def symm_at(ptr, pe):
-    if TRANSPORT_NVSHMEM:
-        addr = _nvshmem_ptr(ptr.to(tl.int64), tl.cast(pe, tl.int32))
-    else:
-        addr = ptr.to(tl.int64) + _delta(pe)
-    return addr.to(ptr.dtype)
+    return ptr + _delta_elems(ptr, pe)
 
 
 @triton.jit
@@ -203,7 +214,7 @@ def put(dst, src, nelems, pe):
     if _via_nvshmem(pe):
         _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
-        _copy((dst.to(tl.int64) + _delta(pe)).to(dst.dtype), src, nelems)
+        _copy(dst + _delta_elems(dst, pe), src, nelems, "")
 
 
 @triton.jit
@@ -211,7 +222,7 @@ def get(dst, src, nelems, pe):
     if _via_nvshmem(pe):
         _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
-        _copy(dst, (src.to(tl.int64) + _delta(pe)).to(src.dtype), nelems)
+        _copy(dst, src + _delta_elems(src, pe), nelems, ".cg")
 
 
 @triton.jit
@@ -226,7 +237,7 @@ def signal(sig, value, pe, op: tl.constexpr):
     if _via_nvshmem(pe):
         _signal_nvshmem(sig, value, pe, op)
     else:
-        target = (sig.to(tl.int64) + _delta(pe)).to(sig.dtype)
+        target = sig + _delta_elems(sig, pe)
         if op == 9:
             tl.atomic_xchg(target, tl.cast(value, sig.dtype.element_ty), sem="release", scope="sys")
         else:
