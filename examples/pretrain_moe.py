@@ -17,11 +17,15 @@ parallelism, their all-gather / reduce-scatter fused into the GEMMs by tilecomm.
 
 Data: a synthetic Markov source whose entropy floor is known, so the printed loss can be compared
 with the best achievable; `--data FILE` trains on a real corpus (text as bytes, or a .bin of uint16
-tokens). Output in --out: log.jsonl (one line per step), loss.png, and a DCP checkpoint
-(`--resume` continues from it and reproduces the same loss curve).
+tokens). Output in --out: log.jsonl (one line per step), loss.png, and a DCP checkpoint at the end
+and every `--checkpoint-every N` steps (`--resume` continues from the last one and reproduces the
+same loss curve, also after a kill -9: checkpoints are written aside and switched to atomically, and
+verified against their sha256 manifest before torch reads them; they are trusted input all the same,
+as DCP's metadata is a pickle). The ranks stop with this launcher (Ctrl-C, SIGTERM, SIGKILL).
 """
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +33,7 @@ import torch.distributed as dist
 import tilecomm
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TokenFile, TrainConfig,
                           Trainer, Transformer)
+from tilecomm.moe import checkpoint
 
 PRESETS = {
     # 2 CPU cores: ~50k parameters, 12 experts (splits over 2, 3, 4 or 6 ranks) of which 2 per token
@@ -63,6 +68,19 @@ def check_parallel_sizes(args, world: int) -> None:
                          "must divide by it (sequence parallelism splits them)")
 
 
+def check_flags(args) -> None:
+    """ValueError / FileNotFoundError naming the flag for --steps, --checkpoint-every, --world-size,
+    --data and --resume (checked once in the launcher, before any rank starts)."""
+    for flag, value, low in (("--steps", args.steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
+                             ("--world-size", args.world_size, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} {value}: expected an int >= {low}")
+    if args.data:
+        TokenFile(args.data).check_seq_len(PRESETS[args.preset]["train"]["seq_len"])
+    if args.resume and "RANK" not in os.environ:  # (under torchrun every rank verifies its share when it loads)
+        checkpoint.verify(os.path.join(args.out, "checkpoint"))  # sizes and sha256, before any rank reads it
+
+
 def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_group=None):
     preset = PRESETS[args.preset]
     data = TokenFile(args.data) if args.data else MarkovSource(vocab=preset["model"]["vocab_size"], seed=args.seed)
@@ -71,8 +89,9 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
     if moe["num_experts"] % world:
         raise ValueError(f"preset {args.preset!r}: num_experts={moe['num_experts']} does not split over {world} ranks "
                          "(expert parallelism needs num_experts divisible by the world size)")
-    tcfg = TrainConfig(**dict(preset["train"], **({"steps": args.steps} if args.steps else {})), out_dir=args.out,
-                       resume=args.resume, progress=rank == 0, peak_flops=989e12 if device.type == "cuda" else None)
+    tcfg = TrainConfig(**dict(preset["train"], **({"steps": args.steps} if args.steps is not None else {})),
+                       out_dir=args.out, resume=args.resume, checkpoint_every=args.checkpoint_every, progress=rank == 0,
+                       peak_flops=989e12 if device.type == "cuda" else None)
     moe_cfg = MoEConfig(hidden=mcfg.hidden, ffn_hidden=moe["ffn_hidden"], num_experts=moe["num_experts"], topk=moe["topk"],
                         router=dict(aux_loss_coeff=1e-2), seed=args.seed,
                         max_tokens_per_rank=tcfg.batch_size * tcfg.seq_len)
@@ -124,7 +143,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: h200x4 on GPUs, cpu-tiny on CPU")
     p.add_argument("--world-size", type=int, default=2, help="CPU ranks to spawn (ignored under torchrun)")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="steps to train to (default: the preset's)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also checkpoint every N steps (default 0: only at the end)")
     p.add_argument("--dispatcher", choices=["tilecomm", "nccl"], default="tilecomm")
     p.add_argument("--data", default=None, help="text file (bytes) or .bin of uint16 tokens; default: Markov source")
     p.add_argument("--out", default="runs/pretrain_moe")
@@ -138,11 +159,10 @@ def main() -> None:
     args = p.parse_args()
     backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     args.preset = args.preset or ("h200x4" if backend == "cuda" else "cpu-tiny")
-    if args.data and not os.path.exists(args.data):
-        p.error(f"--data {args.data!r}: no such file")
-    try:  # bad --tp / --cp fail here, before any rank starts
+    try:  # bad flags fail here, before any rank starts
+        check_flags(args)
         check_parallel_sizes(args, int(os.environ.get("WORLD_SIZE", args.world_size)))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     if "RANK" in os.environ:  # torchrun: this process is one rank
         tilecomm.init(backend=backend)
@@ -151,7 +171,10 @@ def main() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     else:
-        results = tilecomm.launch(run_rank, args.world_size, args, backend=backend)
+        try:
+            results = tilecomm.launch(run_rank, args.world_size, args, backend=backend)
+        except KeyboardInterrupt:  # the pool has already killed the ranks
+            sys.exit(f"interrupted: the {args.world_size} ranks are stopped; --resume continues from the last checkpoint")
     r = results[0]
     if r is None or ("RANK" in os.environ and int(os.environ["RANK"]) != 0):
         return

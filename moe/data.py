@@ -77,23 +77,38 @@ def _distinct_successors(rng, vocab: int, branching: int) -> np.ndarray:
 
 
 class TokenFile:
+    """`path`: plain text (bytes, vocab 256) or a `.bin` of uint16 tokens (memory-mapped). Errors name
+    the example's --data flag and the file."""
+
     def __init__(self, path: str):
-        if not os.path.exists(path):
+        if not os.path.isfile(path):
             raise FileNotFoundError(f"--data {path!r}: no such file (plain text, or a .bin of uint16 tokens)")
+        self.path, size = path, os.path.getsize(path)
         if path.endswith(".bin"):
+            if size % 2:
+                raise ValueError(f"--data {path!r}: a .bin file holds uint16 tokens (2 bytes each), "
+                                 f"but this one has an odd size ({size} bytes)")
+            if size < 4:
+                raise ValueError(f"--data {path!r}: needs at least 2 tokens, has {size // 2}")
             self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
             self.vocab = int(self.tokens.max()) + 1
         else:
-            self.tokens = np.frombuffer(open(path, "rb").read(), dtype=np.uint8)
+            with open(path, "rb") as f:
+                self.tokens = np.frombuffer(f.read(), dtype=np.uint8)
             self.vocab = 256
         if len(self.tokens) < 2:
-            raise ValueError(f"--data {path!r}: needs at least 2 tokens")
+            raise ValueError(f"--data {path!r}: needs at least 2 tokens, has {len(self.tokens)}")
         self.entropy_floor = None
 
+    def check_seq_len(self, seq_len: int) -> None:
+        """ValueError unless the file holds a window of seq_len + 1 tokens with a choice of start."""
+        if len(self.tokens) < seq_len + 2:
+            raise ValueError(f"--data {self.path!r}: {len(self.tokens)} tokens, but seq_len={seq_len} needs at least "
+                             f"{seq_len + 2}")
+
     def batch(self, step: int, rank: int, batch_size: int, seq_len: int) -> torch.Tensor:
+        self.check_seq_len(seq_len)
         n = len(self.tokens) - seq_len - 1
-        if n <= 0:
-            raise ValueError(f"data has {len(self.tokens)} tokens; seq_len={seq_len} needs more")
         gen = np.random.default_rng(1_000_003 * step + 7919 * rank + 1)
         starts = gen.integers(0, n, size=batch_size)
         return torch.from_numpy(np.stack([np.asarray(self.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts]))
