@@ -4,12 +4,15 @@
     gemm_rs(a [M, k], b [k, N])        = my row block of sum_r a_r @ b_r     -> [M/W, N]
     ColumnParallelLinear / RowParallelLinear: sequence-parallel TP layers built on the two.
 All take `group=` (a torch.distributed group of W ranks; None = the world), see team.py.
+    grouped_mm(x [R, K], w [E, K, N], offs [E] int32) = per expert x[rows of e] @ w[e] -> [R, N]
     matmul(a, b): the persistent tile GEMM alone (to compare with cuBLAS).
 """
-from .ag_gemm import ag_gemm, ag_gemm_reference
-from .gemm_rs import gemm_rs, gemm_rs_reference
+from .ag_gemm import AgGemmWorkspace, ag_gemm, ag_gemm_reference
+from .gemm_rs import GemmRsWorkspace, gemm_rs, gemm_rs_reference
+from .grouped import grouped_mm, grouped_mm_reference
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .tiles import GemmConfig, matmul
+from .tiles import GemmConfig, GemmTuner, matmul
 
-__all__ = ["ag_gemm", "ag_gemm_reference", "gemm_rs", "gemm_rs_reference", "ColumnParallelLinear",
-           "RowParallelLinear", "GemmConfig", "matmul"]
+__all__ = ["ag_gemm", "ag_gemm_reference", "AgGemmWorkspace", "gemm_rs", "gemm_rs_reference", "GemmRsWorkspace",
+           "grouped_mm", "grouped_mm_reference", "ColumnParallelLinear", "RowParallelLinear", "GemmConfig",
+           "GemmTuner", "matmul"]

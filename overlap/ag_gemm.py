@@ -5,15 +5,17 @@
 
 Two kernels run at once, on two streams (on CPU ranks: one after the other):
 
-* push (communication stream), program (p, i): member me puts row tile i of its shard into slot me of
-  member (me + p) % W's symmetric gather buffer and SETs that member's flag[me, i] to the call's epoch;
-* GEMM (current stream), persistent: tiles in ring order, own shard first (no waiting, read in place),
-  then shards me+1, me+2, ...; before a peer's tile it waits for flag[src, i] >= epoch, so the first
-  tiles compute while later ones are still arriving.
+* push (the workspace's communication stream, a few programs per peer): member me puts its shard, row
+  tile by row tile, into slot me of every other member's symmetric gather buffer and SETs that member's
+  flag[me, tile] to the call's epoch; peers that need the shard earliest get it first;
+* GEMM (current stream, the TMA tile GEMM of tiles.py, persistent): tiles in ring order, own shard first
+  (read in place, no waiting), then shards me+1, me+2, ...; before a peer's tile it waits for
+  flag[src, tile] >= epoch, so the first tiles compute while later ones are still arriving.
 
-A final one-program kernel SETs consumed[me] on every member; the next call's push waits for it
-before overwriting a peer's gather slot. Kernels see team indices; `pes_ptr` maps them to PEs (team.py).
-`ag_gemm_reference` is the torch version the tests use.
+A final one-program kernel SETs consumed[me] on every member; the next call's push waits for it before
+overwriting a peer's gather slot. Kernels see team indices; `pes_ptr` maps them to PEs (team.py).
+The buffers live in an `AgGemmWorkspace` made up front (layers make theirs in `__init__`); without one,
+the call makes a temporary workspace and frees it. `ag_gemm_reference` is the torch version tests use.
 """
 from __future__ import annotations
 
@@ -27,100 +29,146 @@ import triton.language as tl
 import tilecomm
 import tilecomm.language as tcl
 
-from .team import Team, release, team_of, team_workspace
-from .tiles import SymmetricWorkspace, check_operands, config_for, mma_tile, num_programs
+from .team import OpWorkspace, release, team_of
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, matmul, num_programs, prepare_tma, proxy_fence,
+                    resolve_config, store_tile, tile_position, tile_product, tma_operand)
+
+MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
+_PUSH_PROGRAMS = 8  # per peer: enough to fill a link, few enough not to take SMs from the GEMM
+
+
+class AgGemmWorkspace(OpWorkspace):
+    """Symmetric buffers of ag_gemm over `group` for shards of up to `max_rows` rows of `K` columns of
+    `dtype` (collective over the world): gather [W, max_rows, K rounded up to 16 bytes], flags, consumed."""
+
+    def __init__(self, K: int, dtype: torch.dtype, max_rows: int, group=None):
+        team = team_of(group, "AgGemmWorkspace")
+        for name, v in (("K", K), ("max_rows", max_rows)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"AgGemmWorkspace: {name} must be a positive int, got {v!r}")
+        W, pad = team.size, 16 // torch.empty((), dtype=dtype).element_size()
+        self.K, self.dtype, self.max_rows = K, dtype, max_rows
+        super().__init__(team, "tilecomm.overlap.ag_gemm", {
+            "gather": ((W, max_rows, triton.cdiv(K, pad) * pad), dtype, False),
+            "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK_M),), torch.int64, True),
+            "consumed": ((W,), torch.int64, True)})
+        self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
 
 
 @tilecomm.jit
-def _push_kernel(a_ptr, gather_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, m, K, me, W, BLOCK_M: tl.constexpr):
-    dest = (me + tl.program_id(0)) % W  # team index; its PE is pes[dest]
+def _push_kernel(a_ptr, gather_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, m, K, stride_gm, slot_stride,
+                 flag_stride, me, W, BLOCK_M: tl.constexpr):
+    dest = (me + W - 1 - tl.program_id(0)) % W  # team index; it reads this shard at its step program_id(0) + 1
     dest_pe = tl.load(pes_ptr + dest)
-    tile = tl.program_id(1)
-    rows = tl.minimum(m - tile * BLOCK_M, BLOCK_M)
     tok = tcl.wait(consumed_ptr + dest, epoch - 1, tcl.CMP_GE)  # dest has finished reading the last call
-    start = (tl.cast(me, tl.int64) * m + tile * BLOCK_M) * K
-    tcl.put(tcl.consume_token(gather_ptr, tok) + start, a_ptr + tl.cast(tile, tl.int64) * BLOCK_M * K, rows * K,
-            dest_pe)
-    tcl.signal(flags_ptr + me * tl.cdiv(m, BLOCK_M) + tile, epoch, dest_pe, tcl.SIGNAL_SET)
+    slot = tcl.consume_token(gather_ptr, tok) + tl.cast(me, tl.int64) * slot_stride
+    for tile in range(tl.program_id(1), tl.cdiv(m, BLOCK_M), tl.num_programs(1)):
+        for r in range(tile * BLOCK_M, tl.minimum(m, (tile + 1) * BLOCK_M)):
+            tcl.put(slot + tl.cast(r, tl.int64) * stride_gm, a_ptr + tl.cast(r, tl.int64) * K, K, dest_pe)
+        tcl.signal(flags_ptr + me * flag_stride + tile, epoch, dest_pe, tcl.SIGNAL_SET)
 
 
 @tilecomm.jit
-def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_bk, stride_bn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_am, stride_gm, slot_stride,
+                 flag_stride, stride_b, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+                 WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    # one group: any aligned group stride will do
+    b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
+    c_desc = c_desc3(c_ptr, W, m, N, tl.cast(m, tl.int64) * stride_cm, stride_cm, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
+                     C_TMA)
     tiles_m = tl.cdiv(m, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), W * tiles_m * tiles_n, tl.num_programs(0)):
         step = tile // (tiles_m * tiles_n)
-        i = (tile // tiles_n) % tiles_m
         src = (me + step) % W
-        rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if src == me:
+        pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+        if step == 0:  # own shard, in place
             a_src = a_ptr
+            stride = stride_am
         else:
-            tok = tcl.wait(flags_ptr + src * tiles_m + i, epoch, tcl.CMP_GE)
-            a_src = tcl.consume_token(gather_ptr + tl.cast(src, tl.int64) * m * K, tok)
-        acc = mma_tile(a_src, b_ptr, rows, cols, m, N, K, K, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)
-        out_rows = tl.cast(src, tl.int64) * m + rows
-        tl.store(c_ptr + out_rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < m) & (cols[None, :] < N))
+            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m, epoch, tcl.CMP_GE)
+            g = proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the peer's stores
+            a_src = gather_ptr + g.to(tl.int64) * slot_stride
+            stride = stride_gm
+        # one descriptor per tile (the source changes with the step): one main loop, one set of buffers
+        a_desc = desc3(a_src, 1, m, K, tl.cast(m, tl.int64) * stride, stride, BLOCK_M, BLOCK_K)
+        acc = tile_product(a_desc, 0, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           B_TRANS, PRECISION)
+        store_tile(c_desc, src, c_ptr + tl.cast(src, tl.int64) * m * stride_cm, stride_cm, m, N, acc,
+                   pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
 
 
-def _workspace(team: Team, m: int, K: int, dtype: torch.dtype, block_m: int) -> SymmetricWorkspace:
-    W = team.size
-    return team_workspace(team, ("ag_gemm", m, K, dtype, block_m), {
-        "gather": ((W * m, K), dtype, False),
-        "flags": ((W * triton.cdiv(m, block_m),), torch.int64, True),
-        "consumed": ((W,), torch.int64, True)})
-
-
-@contextlib.contextmanager
-def _comm_stream(device: torch.device):
-    """The push kernel's stream on GPUs (so it runs beside the GEMM); a no-op on CPU ranks."""
-    if device.type != "cuda":
-        yield
-        return
-    ctx = tilecomm.current()
-    stream = ctx.caches.setdefault(("comm_stream", device.index), torch.cuda.Stream(device))
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    ctx.caches["comm_stream_pending"] = stream
-
-
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False, group=None):
-    """all_gather(a_shard) @ b over `group`'s W ranks, rows in group-rank order: [W*m, n]. With
-    return_gathered, also the gathered A [W*m, K] (a copy; the op's buffer is reused by the next call).
-    Collective over the group (None: the world); see team.py for the SPMD assumption on first use."""
-    what = "tilecomm.overlap.ag_gemm"
+def _check(what: str, a_shard, b, group, workspace):
     team = team_of(group, what)
     check_operands(what, a_shard, b, "a_shard", "b")
     ctx = tilecomm.current()
     if a_shard.device.type != ctx.device.type:
         raise ValueError(f"{what}: a_shard is on {a_shard.device}; the runtime's tensors are on {ctx.device}")
+    if workspace is not None:
+        if not isinstance(workspace, AgGemmWorkspace) or workspace.team.ranks != team.ranks:
+            raise ValueError(f"{what}: workspace must be an AgGemmWorkspace made for this group, got {workspace!r}")
+        m, K = a_shard.shape
+        if (K, a_shard.dtype) != (workspace.K, workspace.dtype) or m > workspace.max_rows:
+            raise ValueError(f"{what}: a_shard {tuple(a_shard.shape)} {a_shard.dtype} does not fit the workspace "
+                             f"(K={workspace.K}, {workspace.dtype}, up to max_rows={workspace.max_rows} rows)")
+    return team
+
+
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = False, group=None,
+            workspace: AgGemmWorkspace | None = None, config=None):
+    """all_gather(a_shard) @ b over `group`'s W ranks, rows in group-rank order: [W*m, n]. With
+    return_gathered, also the gathered A [W*m, K] (a copy). b may be row- or column-major. workspace:
+    an AgGemmWorkspace for this group, K and dtype (None: a temporary one, made and freed in the call;
+    slower). config: see tiles.resolve_config. Collective over the group (None: the world)."""
+    what = "tilecomm.overlap.ag_gemm"
+    team = _check(what, a_shard, b, group, workspace)
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
-    cfg = config_for(W * m, N, a_shard.device)
-    ws = _workspace(team, m, K, a_shard.dtype, cfg.BLOCK_M)
+    ws = workspace or AgGemmWorkspace(K, a_shard.dtype, max(m, 1), group)
+    epoch = ws.begin(("ag_gemm", m, K, N, str(a_shard.dtype)))
     c = torch.empty((W * m, N), dtype=a_shard.dtype, device=a_shard.device)
-    tiles_m = triton.cdiv(m, cfg.BLOCK_M)
-    if m:
-        with _comm_stream(a_shard.device):
-            _push_kernel[(W, tiles_m)](a_shard, ws.gather, ws.flags, ws.consumed, team.pes, ws.epoch, m, K, me, W,
-                                       BLOCK_M=cfg.BLOCK_M)
-        tiles = W * tiles_m * triton.cdiv(N, cfg.BLOCK_N)
-        _gemm_kernel[(num_programs(tiles, a_shard.device),)](
-            a_shard, ws.gather, b, c, ws.flags, ws.epoch, m, N, K, me, W, b.stride(0), b.stride(1),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        pending = ctx.caches.pop("comm_stream_pending", None)
-        if pending is not None:
-            torch.cuda.current_stream(a_shard.device).wait_stream(pending)
+    if m and N and K:
+        _launch(a_shard, b, c, ws, epoch, team, config)
+    else:
+        c.zero_()
     release(ws, team)
-    if not return_gathered:
-        return c
-    gathered = ws.gather.clone()
-    gathered[me * m:(me + 1) * m] = a_shard  # own slot was filled by its own push too
-    return c, gathered
+    gathered = None
+    if return_gathered:
+        gathered = ws.gather[:, :m, :K].reshape(W * m, K).clone()
+        gathered[me * m:(me + 1) * m] = a_shard  # the own shard never goes through the buffer
+    if workspace is None:
+        ws.free()
+    return (c, gathered) if return_gathered else c
+
+
+def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
+    (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
+    g = ws.gather
+    flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK_M)
+    a, _ = tma_operand(a_shard)
+    bt, b_trans = tma_operand(b, allow_trans=True)
+    C_TMA = c.stride(0) * c.element_size() % 16 == 0
+
+    def gemm(cfg):
+        tiles = W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+        _gemm_kernel[(num_programs(tiles, a.device),)](
+            a, g, bt, c, ws.flags, epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
+            bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype), **cfg.launch())
+
+    prepare_tma()
+    cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
+    if W > 1:  # (a launch with no programs is skipped)
+        tiles_m = triton.cdiv(m, cfg.BLOCK_M)
+        if ws.stream is not None:
+            ws.stream.wait_stream(torch.cuda.current_stream(a.device))
+        with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
+            _push_kernel[(W - 1, min(tiles_m, _PUSH_PROGRAMS))](
+                a_shard, g, ws.flags, ws.consumed, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me,
+                W, BLOCK_M=cfg.BLOCK_M)
+    gemm(cfg)
+    if W > 1 and ws.stream is not None:
+        torch.cuda.current_stream(a.device).wait_stream(ws.stream)
+        a_shard.record_stream(ws.stream)
 
 
 def ag_gemm_reference(a_shard: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

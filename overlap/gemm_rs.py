@@ -1,19 +1,22 @@
-"""gemm_rs: this rank's row block of sum over ranks of a_r @ b_r, with the reduce-scatter hidden
-behind the GEMM.
+"""gemm_rs: this rank's row block of sum over ranks of a_r @ b_r, with the reduce-scatter fused into the GEMM.
 
     a [M, k], b [k, N] on every member of the team (a torch.distributed group, default the world, of
     W ranks; M divisible by W) -> out [M/W, N], rows me*M/W ... of the sum (me: index in the group)
 
-* GEMM (persistent): computes the row blocks of a @ b owner by owner, starting with member me+1 and
-  ending with its own, and stores each finished tile straight into slot me of the owner's symmetric
-  receive buffer, then SETs the owner's flag[me, tile] to the call's epoch: the tile crosses the link
-  while later tiles compute.
-* reduce (per output tile): waits for every member's flag, sums the W partial tiles in member order
-  in fp32, writes the result; then one program SETs consumed[me] on every member, which the next
-  call's GEMM waits for before it writes into a peer's receive buffer again.
+One persistent kernel (the TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting
+with member me+1 and ending with its own:
 
-Kernels see team indices; `pes_ptr` maps them to PEs (team.py).
+* a peer's tile is stored straight into slot me of the owner's symmetric receive buffer, then the
+  owner's flag[me, tile] is SET to the call's epoch: the tile crosses the link while later tiles compute;
+* an own tile is reduced in its epilogue: for every other member it waits for flag[src, tile], adds
+  that partial tile (fp32) and stores the sum into `out` (TMA). No separate reduce pass.
 
+Before writing into a peer's buffer the kernel waits for the peer's consumed word from the last call;
+a one-program kernel SETs consumed[me] on every member at the end. On CPU ranks the interpreter runs
+programs one after another, so peer tiles and own tiles are two launches there (an own tile waits for
+peers' first launches only); on GPUs one launch (all programs are resident).
+Kernels see team indices; `pes_ptr` maps them to PEs (team.py). Buffers live in a `GemmRsWorkspace`
+made up front (layers make theirs in `__init__`); without one, a temporary workspace per call.
 `gemm_rs_reference` is the torch version the tests use.
 """
 from __future__ import annotations
@@ -26,77 +29,128 @@ import triton.language as tl
 import tilecomm
 import tilecomm.language as tcl
 
-from .team import release, team_of, team_workspace
-from .tiles import check_operands, config_for, mma_tile, num_programs
+from .team import OpWorkspace, release, team_of
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, matmul, num_programs, prepare_tma,
+                    resolve_config, store_tile, tile_position, tile_product, tma_operand)
+
+MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
+
+
+class GemmRsWorkspace(OpWorkspace):
+    """Symmetric buffers of gemm_rs over `group` for outputs of up to `max_rows` rows (M/W) of `N`
+    columns of `dtype` (collective over the world): recv [W, max_rows, N], flags, consumed."""
+
+    def __init__(self, N: int, dtype: torch.dtype, max_rows: int, group=None):
+        team = team_of(group, "GemmRsWorkspace")
+        for name, v in (("N", N), ("max_rows", max_rows)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"GemmRsWorkspace: {name} must be a positive int, got {v!r}")
+        W = team.size
+        self.N, self.dtype, self.max_rows = N, dtype, max_rows
+        super().__init__(team, "tilecomm.overlap.gemm_rs", {
+            "recv": ((W, max_rows, N), dtype, False),
+            "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK),), torch.int64, True),
+            "consumed": ((W,), torch.int64, True)})
 
 
 @tilecomm.jit
-def _gemm_push_kernel(a_ptr, b_ptr, recv_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, mb, N, K, me, W, stride_bk,
-                      stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, mb, N, K, me, W,
+                    tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
+                    C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    a_desc = desc3(a_ptr, W, mb, K, tl.cast(mb, tl.int64) * stride_am, stride_am, BLOCK_M, BLOCK_K)
+    # one group: any aligned group stride will do
+    b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
+    o_desc = c_desc3(out_ptr, 1, mb, N, tl.cast(mb, tl.int64) * stride_om, stride_om, BLOCK_M,
+                     BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(mb, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_owner = tiles_m * tiles_n
-    for tile in range(tl.program_id(0), W * per_owner, tl.num_programs(0)):
+    for tile in range(tile_begin + tl.program_id(0), tile_end, tl.num_programs(0)):
         owner = (me + 1 + tile // per_owner) % W  # team index; its PE is pes[owner]
-        owner_pe = tl.load(pes_ptr + owner)
         t = tile % per_owner
-        local_rows = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = mma_tile(a_ptr + tl.cast(owner, tl.int64) * mb * K, b_ptr, local_rows, cols, mb, N, K, K, 1,
-                       stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)
-        tok = tcl.wait(consumed_ptr + owner, epoch - 1, tcl.CMP_GE)
-        slot = tcl.consume_token(tcl.symm_at(recv_ptr, owner_pe), tok) + tl.cast(me, tl.int64) * mb * N
-        tl.store(slot + local_rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(recv_ptr.dtype.element_ty),
-                 mask=(local_rows[:, None] < mb) & (cols[None, :] < N))
-        tcl.signal(flags_ptr + me * per_owner + t, epoch, owner_pe, tcl.SIGNAL_SET)
+        pid_m, pid_n = tile_position(t, tiles_m, tiles_n, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < mb) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        acc = tile_product(a_desc, owner, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           B_TRANS, PRECISION)
+        if owner == me:
+            for s in range(1, W):
+                src = (me + s) % W
+                tok = tcl.wait(flags_ptr + src * flag_stride + t, epoch, tcl.CMP_GE)
+                part = tcl.consume_token(recv_ptr + tl.cast(src, tl.int64) * slot_stride, tok)
+                acc += tl.load(part + offs, mask=mask, other=0).to(tl.float32)
+            store_tile(o_desc, 0, out_ptr, stride_om, mb, N, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
+                       EPILOGUE_SPLIT, C_TMA)
+        else:
+            owner_pe = tl.load(pes_ptr + owner)
+            tok = tcl.wait(consumed_ptr + owner, epoch - 1, tcl.CMP_GE)
+            slot = tcl.consume_token(tcl.symm_at(recv_ptr, owner_pe), tok) + tl.cast(me, tl.int64) * slot_stride
+            tl.store(slot + offs, acc.to(recv_ptr.dtype.element_ty), mask=mask)
+            tcl.signal(flags_ptr + me * flag_stride + t, epoch, owner_pe, tcl.SIGNAL_SET)
 
 
-@tilecomm.jit
-def _reduce_kernel(recv_ptr, flags_ptr, out_ptr, epoch, mb, N, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_owner = tl.cdiv(mb, BLOCK_M) * tiles_n
-    t = tl.program_id(0)
-    rows = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < mb) & (cols[None, :] < N)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for src in range(W):
-        tok = tcl.wait(flags_ptr + src * per_owner + t, epoch, tcl.CMP_GE)
-        part = tcl.consume_token(recv_ptr + tl.cast(src, tl.int64) * mb * N, tok)
-        acc += tl.load(part + offs, mask=mask, other=0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's [M/W, N] row block of the sum over `group`'s W ranks of a @ b (fp32 reduction).
-    Collective over the group (None: the world); see team.py for the SPMD assumption on first use."""
-    what = "tilecomm.overlap.gemm_rs"
+def _check(what, a, b, group, workspace):
     team = team_of(group, what)
     check_operands(what, a, b)
     ctx = tilecomm.current()
     if a.device.type != ctx.device.type:
         raise ValueError(f"{what}: a is on {a.device}; the runtime's tensors are on {ctx.device}")
-    (M, K), N, W, me = a.shape, b.shape[1], team.size, team.index
+    (M, K), N, W = a.shape, b.shape[1], team.size
     if M % W:
         raise ValueError(f"{what}: a has {M} rows; M must be a multiple of the group size ({W})")
+    if workspace is not None:
+        if not isinstance(workspace, GemmRsWorkspace) or workspace.team.ranks != team.ranks:
+            raise ValueError(f"{what}: workspace must be a GemmRsWorkspace made for this group, got {workspace!r}")
+        if (N, a.dtype) != (workspace.N, workspace.dtype) or M // W > workspace.max_rows:
+            raise ValueError(f"{what}: output [{M // W}, {N}] {a.dtype} does not fit the workspace (N={workspace.N}, "
+                             f"{workspace.dtype}, up to max_rows={workspace.max_rows} rows)")
+    return team
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorkspace | None = None,
+            config=None) -> torch.Tensor:
+    """This rank's [M/W, N] row block of the sum over `group`'s W ranks of a @ b (fp32 reduction of the
+    partial tiles). b may be row- or column-major. workspace: a GemmRsWorkspace for this group, N and
+    dtype (None: a temporary one, made and freed in the call; slower). config: see tiles.resolve_config.
+    Collective over the group (None: the world)."""
+    what = "tilecomm.overlap.gemm_rs"
+    team = _check(what, a, b, group, workspace)
+    (M, K), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb = M // W
-    cfg = config_for(mb, N, a.device)
-    per_owner = triton.cdiv(mb, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    ws = team_workspace(team, ("gemm_rs", mb, N, a.dtype, cfg.BLOCK_M, cfg.BLOCK_N), {
-        "recv": ((W, mb, N), a.dtype, False),
-        "flags": ((W * per_owner,), torch.int64, True),
-        "consumed": ((W,), torch.int64, True)})
+    ws = workspace or GemmRsWorkspace(N, a.dtype, max(mb, 1), group)
+    epoch = ws.begin(("gemm_rs", M, K, N, str(a.dtype)))
     out = torch.empty((mb, N), dtype=a.dtype, device=a.device)
-    if mb and N:
-        _gemm_push_kernel[(num_programs(W * per_owner, a.device),)](
-            a, b, ws.recv, ws.flags, ws.consumed, team.pes, ws.epoch, mb, N, K, me, W, b.stride(0), b.stride(1),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        _reduce_kernel[(per_owner,)](ws.recv, ws.flags, out, ws.epoch, mb, N, W, BLOCK_M=cfg.BLOCK_M,
-                                     BLOCK_N=cfg.BLOCK_N)
+    if mb and N and K:
+        _launch(a, b, out, ws, epoch, team, config)
+    else:
+        out.zero_()
     release(ws, team)
+    if workspace is None:
+        ws.free()
     return out
+
+
+def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
+    (M, K), N, W, me = a.shape, b.shape[1], team.size, team.index
+    mb = M // W
+    a_t, _ = tma_operand(a)
+    bt, b_trans = tma_operand(b, allow_trans=True)
+    prepare_tma()
+    cfg = resolve_config(config, mb, N, a.dtype, a.device, lambda cfg: matmul(a_t[:mb], b, cfg))
+    per_owner = triton.cdiv(mb, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK)
+    # GPUs: one launch over every tile; CPU ranks: peer tiles, then own tiles (see the module docstring)
+    ranges = [(0, W * per_owner)] if a.is_cuda else [(0, (W - 1) * per_owner), ((W - 1) * per_owner, W * per_owner)]
+    for begin, end in ranges:
+        if end > begin:
+            _gemm_rs_kernel[(num_programs(end - begin, a.device),)](
+                a_t, bt, out, ws.recv, ws.flags, ws.consumed, team.pes, epoch, mb, N, K, me, W, begin, end,
+                a_t.stride(0), bt.stride(0), out.stride(0), ws.recv.stride(0), flag_stride, B_TRANS=b_trans,
+                C_TMA=out.stride(0) * out.element_size() % 16 == 0, PRECISION=dot_precision(a.dtype), **cfg.launch())
 
 
 def gemm_rs_reference(a: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

@@ -15,6 +15,9 @@ between them, one all-gather before and one reduce-scatter after, both fused int
 job must build and call the same layers with the same shapes (SPMD; see team.py). Sharded
 parameters carry `tensor_parallel = True` (trainers reduce and checkpoint them per TP rank).
 `from_linear` shards a single-device nn.Linear, so results can be compared with it.
+`max_tokens` (s, the longest sequence): the layer creates its symmetric workspaces in `__init__`
+(collective over the world; the GEMMs' dtype is the weight's); without it every call makes and frees
+temporary ones (correct, slower). Under autocast pass the autocast dtype as `dtype` for the workspaces to fit.
 Under autocast the GEMMs run in the autocast dtype (as nn.Linear's would).
 """
 from __future__ import annotations
@@ -23,37 +26,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ag_gemm import ag_gemm
-from .gemm_rs import gemm_rs
+from .ag_gemm import AgGemmWorkspace, ag_gemm
+from .gemm_rs import GemmRsWorkspace, gemm_rs
 from .team import team_of
 
 
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, group):
-        y, gathered = ag_gemm(x.contiguous(), w, return_gathered=True, group=group)
+    def forward(ctx, x, w, layer):
+        y, gathered = ag_gemm(x.contiguous(), w, return_gathered=True, group=layer.group,
+                             workspace=layer.fitting(layer.ws_ag, x.dtype))
         ctx.save_for_backward(gathered, w)
-        ctx.group = group
+        ctx.layer = layer
         return y
 
     @staticmethod
     def backward(ctx, dy):
         gathered, w = ctx.saved_tensors
         dy = dy.contiguous()
-        return gemm_rs(dy, w.t(), group=ctx.group), gathered.t() @ dy, None
+        layer = ctx.layer
+        return gemm_rs(dy, w.t(), group=layer.group, workspace=layer.fitting(layer.ws_rs, dy.dtype)), gathered.t() @ dy, None
 
 
 class _RowParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, group):
+    def forward(ctx, x, w, layer):
         ctx.save_for_backward(x, w)
-        ctx.group = group
-        return gemm_rs(x.contiguous(), w, group=group)
+        ctx.layer = layer
+        return gemm_rs(x.contiguous(), w, group=layer.group, workspace=layer.fitting(layer.ws_rs, x.dtype))
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx, dy_full = ag_gemm(dy.contiguous(), w.t(), return_gathered=True, group=ctx.group)
+        layer = ctx.layer
+        dx, dy_full = ag_gemm(dy.contiguous(), w.t(), return_gathered=True, group=layer.group,
+                              workspace=layer.fitting(layer.ws_ag, dy.dtype))
         return dx, x.t() @ dy_full, None
 
 
@@ -68,9 +75,14 @@ def _autocast(x: torch.Tensor, w: torch.Tensor):
 class _ParallelLinear(nn.Module):
     SPLIT_DIM = 0  # which dimension of the [in, out] weight is split over the ranks
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, split_dim: int, dtype, device, group):
+    def __init__(self, in_features: int, out_features: int, bias: bool, split_dim: int, dtype, device, group,
+                 max_tokens):
         super().__init__()
-        team = team_of(group, type(self).__name__)
+        name = type(self).__name__
+        for arg, v in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name}: {arg} must be a positive int, got {v!r}")
+        team = team_of(group, name)
         self.group, self.world, self.rank = group, team.size, team.index
         split = (in_features, out_features)[split_dim]
         if split % self.world:
@@ -86,12 +98,32 @@ class _ParallelLinear(nn.Module):
         self.weight.tensor_parallel = True
         if self.bias is not None and split_dim == 1:
             self.bias.tensor_parallel = True
+        self.ws_ag = self.ws_rs = None
+        if max_tokens is not None:
+            self._make_workspaces(max_tokens, split_dim, dtype or torch.get_default_dtype())
+
+    def _make_workspaces(self, max_tokens: int, split_dim: int, dtype) -> None:
+        """The layer's symmetric workspaces, for sequences of up to max_tokens tokens (collective over
+        the world). Column: forward gathers x [s/W, in], backward reduces dx [s/W, in]; Row: forward
+        reduces y [s/W, out], backward gathers dy [s/W, out]."""
+        if not isinstance(max_tokens, int) or max_tokens <= 0 or max_tokens % self.world:
+            raise ValueError(f"{type(self).__name__}: max_tokens must be a positive multiple of the group size "
+                             f"({self.world}), got {max_tokens!r}")
+        cols = self.in_features if split_dim == 1 else self.out_features
+        rows = max_tokens // self.world
+        self.ws_ag = AgGemmWorkspace(cols, dtype, rows, self.group)
+        self.ws_rs = GemmRsWorkspace(cols, dtype, rows, self.group)
+
+    @staticmethod
+    def fitting(ws, dtype):
+        """ws when it was made for GEMMs in `dtype`, else None (the op makes a temporary one)."""
+        return ws if ws is not None and ws.dtype == dtype else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None):
+    def from_linear(cls, linear: nn.Linear, group=None, max_tokens=None):
         """This rank's shard of a single-device nn.Linear (weight [out, in]), contiguous blocks."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                    linear.weight.device, group=group)
+                    linear.weight.device, group=group, max_tokens=max_tokens)
         layer.load_from_linear(linear, cls.SPLIT_DIM)
         return layer
 
@@ -113,11 +145,12 @@ class ColumnParallelLinear(_ParallelLinear):
 
     SPLIT_DIM = 1
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None, group=None):
-        super().__init__(in_features, out_features, bias, 1, dtype, device, group)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None, group=None,
+                 max_tokens=None):
+        super().__init__(in_features, out_features, bias, 1, dtype, device, group, max_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ColumnParallel.apply(*_autocast(x, self.weight), self.group)
+        y = _ColumnParallel.apply(*_autocast(x, self.weight), self)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
@@ -127,9 +160,10 @@ class RowParallelLinear(_ParallelLinear):
 
     SPLIT_DIM = 0
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None, group=None):
-        super().__init__(in_features, out_features, bias, 0, dtype, device, group)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None, group=None,
+                 max_tokens=None):
+        super().__init__(in_features, out_features, bias, 0, dtype, device, group, max_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _RowParallel.apply(*_autocast(x, self.weight), self.group)
+        y = _RowParallel.apply(*_autocast(x, self.weight), self)
         return y + self.bias.to(y.dtype) if self.bias is not None else y

@@ -7,12 +7,13 @@ source serves both. Worked example, world 4, group [1, 3] on global rank 3:
 
     team = team_of(group, "ag_gemm")   # ranks (1, 3), index 1, size 2, pes tensor([1, 3], int32)
 
-Symmetric workspaces are per team (their flags and epochs count that team's calls): the cache key
-holds the team's ranks. The symmetric heap is one world-wide first-fit allocator whose `empty` is
-collective over the world, so workspace creation is too: every rank must create workspaces at the
-same points of its program (SPMD: every TP group calls the same layers with the same shapes, in the
-same order). Buffer sizes are agreed over the world (the largest any team asks for), so teams of
-different sizes (a group of 2 beside a group of 1) still allocate alike.
+Symmetric workspaces (`OpWorkspace`) belong to the object that runs the op: a layer creates its
+workspaces in `__init__`, `ag_gemm` / `gemm_rs` called without one create a temporary workspace for
+the call and free it after. Creation is collective over the world (the symmetric heap is one world-wide
+first-fit allocator): every rank must create workspaces at the same points of its program (SPMD: every TP
+group builds the same layers in the same order). Buffer sizes are agreed over the world (the largest any
+rank asks for), so teams of different sizes still allocate alike. At a workspace's first use the members
+compare a fingerprint of the call (op, shapes, dtype) and raise PeerMismatchError naming both ranks.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import triton.language as tl
 import tilecomm
 import tilecomm.language as tcl
 
-from .tiles import SymmetricWorkspace
+from tilecomm.errors import PeerMismatchError
 
 
 @dataclass(frozen=True)
@@ -63,22 +64,57 @@ def team_of(group, what: str) -> Team:
     return team
 
 
-def team_workspace(team: Team, key: tuple, specs: dict[str, tuple[tuple, torch.dtype, bool]]) -> SymmetricWorkspace:
-    """The op's SymmetricWorkspace for `team` (created on first use, collectively over the world; see the
-    module docstring). specs: name -> (shape, dtype, zeroed). Each buffer is the leading `prod(shape)`
-    elements of a flat symmetric allocation whose length is the largest any rank asked for."""
-    def make():
+class OpWorkspace:
+    """Symmetric buffers of one fused op over one team, allocated once (collectively over the world).
+
+    specs: name -> (shape, dtype, zeroed); each buffer is the leading prod(shape) elements of a flat
+    symmetric allocation whose length is the largest any rank asked for. `begin(fingerprint)` starts a
+    call and returns its epoch (1, 2, ...: the same on every member); `free()` (collective) returns the
+    buffers once no kernel uses them any more."""
+
+    def __init__(self, team: Team, op: str, specs: dict[str, tuple[tuple, torch.dtype, bool]]):
         ctx = tilecomm.current()
         numels = [math.prod(shape) for shape, _, _ in specs.values()]
         if ctx.world_size > 1:
             numels = [max(column) for column in zip(*ctx.boot.all_gather_object(numels))]
-        buffers = {}
+        self.team, self.op, self.epoch, self._fingerprint = team, op, 0, None
+        self._flat, self.buffers = [], {}
         for (name, (shape, dtype, zeroed)), numel in zip(specs.items(), numels):
-            flat = (tilecomm.zeros if zeroed else tilecomm.empty)((numel,), dtype)
-            buffers[name] = flat[:math.prod(shape)].view(shape)
-        return buffers
+            flat = tilecomm.empty((numel,), dtype)
+            if zeroed:
+                flat.zero_()
+            self._flat.append(flat)
+            self.buffers[name] = flat[:math.prod(shape)].view(shape)
+        tilecomm.barrier()  # zeroed words are zero everywhere before any peer signals into them
 
-    return SymmetricWorkspace.get(key + ("team", team.ranks), make)
+    def __getattr__(self, name):
+        buffers = self.__dict__.get("buffers", {})
+        if name in buffers:
+            return buffers[name]
+        raise AttributeError(name)
+
+    def begin(self, fingerprint: tuple) -> int:
+        """The next call's epoch. At first use, every rank's fingerprint is compared with its team's."""
+        if self._fingerprint is None:
+            ctx = tilecomm.current()
+            seen = ctx.boot.all_gather_object(fingerprint) if ctx.world_size > 1 else [fingerprint]
+            mine = self.team.ranks[self.team.index]
+            for r in self.team.ranks:
+                if seen[r] != fingerprint:
+                    raise PeerMismatchError(f"{self.op}: rank {mine} called with {fingerprint}, rank {r} with "
+                                            f"{seen[r]} (every member of the group must pass the same shapes)")
+            self._fingerprint = fingerprint
+        self.epoch += 1
+        return self.epoch
+
+    def free(self) -> None:
+        """Collective: wait for this rank's kernels, then give the buffers back to the heap."""
+        if self._flat and self._flat[0].is_cuda:
+            torch.cuda.synchronize(self._flat[0].device)
+        tilecomm.barrier()
+        for flat in self._flat:
+            tilecomm.free(flat)
+        self._flat, self.buffers = [], {}
 
 
 @tilecomm.jit
@@ -88,6 +124,6 @@ def _release_kernel(consumed_ptr, pes_ptr, epoch, me, W):
         tcl.signal(consumed_ptr + me, epoch, tl.load(pes_ptr + i), tcl.SIGNAL_SET)
 
 
-def release(ws: SymmetricWorkspace, team: Team) -> None:
+def release(ws: OpWorkspace, team: Team) -> None:
     """Tell every member that this rank has finished the call on `ws` (its `consumed` words)."""
     _release_kernel[(1,)](ws.consumed, team.pes, ws.epoch, team.index, team.size)

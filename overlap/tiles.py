@@ -1,78 +1,267 @@
-"""Shared GEMM pieces: the tile product every overlapped kernel uses, tuning knobs, a plain
-persistent GEMM (`matmul`, to compare with cuBLAS on its own) and the symmetric workspaces.
+"""The one Hopper tile GEMM every overlapped kernel is built from, its tuning table, and `matmul`.
 
-A tile is BLOCK_M x BLOCK_N of C = A @ B, accumulated in fp32 over BLOCK_K steps. Persistent
-kernels launch `min(num_tiles, programs)` programs that each walk tiles pid, pid + nprog, ...
+A tile is BLOCK_M x BLOCK_N of C = A @ B, accumulated in fp32 over BLOCK_K steps. Operands move by
+TMA: every kernel builds tensor descriptors on the device (`tl.make_tensor_descriptor`; Triton asks
+`triton.set_allocator` for their scratch) over 3-D views, [groups, rows, cols], so a tile never reads
+or writes past its group (a rank's shard, an owner's row block, an expert) even when the group's rows
+are not a multiple of BLOCK_M: out-of-bounds rows and columns load as zero and are not stored.
+
+    A  [G, rows, K]            load block [1, BLOCK_M, BLOCK_K] at (g, off_m, k)
+    B  [E, K, N] (or [E, N, K] with B_TRANS: a transposed weight read in place)
+    C  [G, rows, N]            stored in EPILOGUE_SPLIT column slices (epilogue subtiling)
+
+Persistent kernels launch one program per SM (at most one per tile) that walks tiles pid, pid + nprog,
+...; `tile_position` maps a linear tile id to (pid_m, pid_n) in GROUP_M-row bands (L2 reuse of B).
+The same source runs compiled (Triton 3.6, sm_90) and interpreted on CPU ranks (Triton 3.9).
+
+TMA needs 16-byte aligned base addresses and row strides: `tma_operand` gives an operand with unit
+column stride and an aligned row stride (a padded copy only when the caller's tensor has neither);
+an unaligned output is stored with masked pointer stores instead (C_TMA=False).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 import tilecomm
+from tilecomm.jit import TileKernel
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Block shape and launch knobs of the tile GEMM."""
+    """Block shape and launch knobs of the tile GEMM (the kernels' constexprs and launch options)."""
 
     BLOCK_M: int = 128
-    BLOCK_N: int = 128
+    BLOCK_N: int = 256
     BLOCK_K: int = 64
+    GROUP_M: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    EPILOGUE_SPLIT: int = 2
+    WARP_SPECIALIZE: bool = False
+
+    def launch(self) -> dict:
+        """Keyword arguments of a kernel launch."""
+        return asdict(self)
 
 
-# Keyed by (large M, large N). Measured on one H200 with `python -m tilecomm.bench.gemm` (BENCHMARKS.md):
-# 128x256x64/8 warps/3 stages was best of 11 configs on every shape with M >= 2048 (71-81% of cuBLAS), and
-# 64x64x64/4/4 at 512x1024x1024 (80%: enough tiles to fill 132 SMs). (True, False) is not measured yet.
-_TABLE = {(True, True): GemmConfig(128, 256, 64, 8, 3), (True, False): GemmConfig(128, 128, 64, 8, 3),
-          (False, True): GemmConfig(64, 64, 64, 4, 4), (False, False): GemmConfig(64, 64, 64, 4, 4)}
-_CPU = GemmConfig(16, 16, 16, 1, 1)  # interpreter: small tiles keep CPU ranks fast
+# Per shape bucket, from `python -m tilecomm.bench.gemm --sweep` on one H200 (BENCHMARKS.md, GEMM section).
+_TABLE = {
+    "large": GemmConfig(128, 256, 64, 8, 8, 3, 2, False),   # M >= 1024 and N >= 1024
+    "narrow": GemmConfig(128, 128, 64, 8, 8, 4, 1, False),  # one of M, N below 1024
+    "small": GemmConfig(64, 64, 64, 8, 4, 4, 1, False),     # both below 1024
+    "fp32": GemmConfig(64, 64, 32, 8, 4, 3, 1, False),      # IEEE fp32 FMA path: small tiles, no spills
+}
+_CPU = GemmConfig(16, 16, 16, 2, 1, 1, 1, False)  # interpreter: small tiles keep CPU ranks fast
+CANDIDATES = [GemmConfig(*c) for c in [
+    (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 8, 8, 3, 2, True), (128, 256, 64, 8, 8, 3, 1, False),
+    (128, 256, 64, 16, 8, 3, 2, False), (256, 128, 64, 8, 8, 3, 2, False), (128, 128, 64, 8, 8, 4, 1, False),
+    (128, 128, 64, 8, 4, 4, 1, False), (128, 128, 64, 8, 8, 4, 1, True), (64, 128, 64, 8, 4, 4, 1, False)]]
 
 
-def config_for(m: int, n: int, device: torch.device) -> GemmConfig:
+def bucket(m: int, n: int, dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "fp32"
+    return "large" if min(m, n) >= 1024 else ("narrow" if max(m, n) >= 1024 else "small")
+
+
+class GemmTuner:
+    """Autotuning behind a flag: pass one as `config=` to matmul / ag_gemm / gemm_rs / grouped_mm. The
+    first call of each (op, bucket, dtype) times every candidate (`timer(fn) -> seconds`, default
+    triton.testing.do_bench) on that call's operands and keeps the fastest; later calls reuse it."""
+
+    def __init__(self, candidates=None, timer=None):
+        self.candidates = list(candidates or CANDIDATES)
+        self.timer = timer or (lambda fn: triton.testing.do_bench(fn, warmup=5, rep=20))
+        self.chosen: dict = {}
+
+    def pick(self, key, run) -> GemmConfig:
+        """The config for `key`; `run(cfg)` launches the op once with cfg (used to time candidates)."""
+        if key not in self.chosen:
+            timed = []
+            for cfg in self.candidates:
+                try:
+                    timed.append((self.timer(lambda cfg=cfg: run(cfg)), cfg))
+                except (RuntimeError, triton.runtime.errors.OutOfResources):
+                    continue  # a candidate that does not fit this GPU
+            if not timed:
+                raise RuntimeError(f"GemmTuner: no candidate config ran for {key}")
+            self.chosen[key] = min(timed, key=lambda t: t[0])[1]
+        return self.chosen[key]
+
+
+def resolve_config(config, m: int, n: int, dtype: torch.dtype, device: torch.device, run) -> GemmConfig:
+    """config: None (the table's entry for an [m, n] output), a GemmConfig, or a GemmTuner (which times
+    `run(cfg)`, a plain tile GEMM of the call's operands, once per bucket)."""
+    if isinstance(config, GemmConfig):
+        return config
+    if config is not None and not isinstance(config, GemmTuner):
+        raise TypeError(f"config must be None, a GemmConfig or a GemmTuner, got {type(config).__name__}")
     if device.type != "cuda":
         return _CPU
-    return _TABLE[(m >= 1024, n >= 1024)]
+    if isinstance(config, GemmTuner) and dtype != torch.float32:
+        return config.pick((bucket(m, n, dtype), dtype), run)
+    return _TABLE[bucket(m, n, dtype)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_programs(num_tiles: int, device: torch.device) -> int:
     if device.type != "cuda":
         return max(1, min(num_tiles, 4))
-    return max(1, min(num_tiles, torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(num_tiles, _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for device-built TMA descriptors (128 bytes per descriptor per program)."""
+    device = "cuda" if stream is not None and torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def prepare_tma() -> None:
+    """Install the descriptor scratch allocator (a ContextVar: set from each launching thread)."""
+    triton.set_allocator(_scratch)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and (t.stride(-2) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_operand(t: torch.Tensor, allow_trans: bool = False) -> tuple[torch.Tensor, bool]:
+    """(u, trans): u has unit last stride and a 16-byte aligned row stride. trans: u is t.mT (a
+    column-major t read in place, allowed with allow_trans); else u holds t's values (t itself when
+    it is already aligned, otherwise a padded copy whose extra columns are never read)."""
+    if _aligned(t):
+        return t, False
+    if allow_trans and t.dim() >= 2 and _aligned(t.mT):
+        return t.mT, True
+    pad = 16 // t.element_size()
+    cols = t.shape[-1]
+    buf = torch.empty(*t.shape[:-1], triton.cdiv(max(cols, 1), pad) * pad, dtype=t.dtype, device=t.device)
+    out = buf[..., :cols]
+    out.copy_(t)
+    return out, False
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands multiply in IEEE fp32 (as torch.matmul does by default), 16-bit ones on tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _proxy_fence_cpu(x):
+    return x
+
+
+@triton.jit
+def _proxy_fence_gpu(x):
+    """x (int32), after a fence that lets later TMA (async-proxy) reads see data this program acquired
+    through generic-proxy loads/atomics (a peer's stores and signal)."""
+    return tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+proxy_fence = TileKernel(_proxy_fence_gpu.fn, cpu_impl=_proxy_fence_cpu)
 
 
 @tilecomm.jit
-def mma_tile(a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] tile of A[rows, :] @ B[:, cols] (rows < M, cols < N masked)."""
+def tile_position(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of linear tile id `tile`: column-major inside bands of GROUP_M tile rows."""
+    per_band = GROUP_M * tiles_n
+    first_m = (tile // per_band) * GROUP_M
+    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_band) % band_m, (tile % per_band) // band_m
+
+
+@tilecomm.jit
+def desc3(ptr, groups, rows, cols, stride_g, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A TMA descriptor of the [groups, rows, cols] view of ptr (unit column stride)."""
+    return tl.make_tensor_descriptor(ptr, [groups, rows, cols], [stride_g, stride_r, 1], [1, BLOCK_R, BLOCK_C])
+
+
+@tilecomm.jit
+def c_desc3(ptr, groups, rows, cols, stride_g, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+            C_TMA: tl.constexpr):
+    """The output's descriptor when it is TMA-aligned (C_TMA), else None (store_tile then masks)."""
+    desc = None
+    if C_TMA:
+        desc = desc3(ptr, groups, rows, cols, stride_g, stride_r, BLOCK_R, BLOCK_C)
+    return desc
+
+
+@tilecomm.jit
+def b_desc3(b_ptr, E, K, N, stride_be, stride_b, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+            B_TRANS: tl.constexpr):
+    """B's descriptor: [E, K, N] row-major, or with B_TRANS the [E, N, K] array it is the transpose of."""
+    if B_TRANS:
+        desc = desc3(b_ptr, E, N, K, stride_be, stride_b, BLOCK_N, BLOCK_K)
+    else:
+        desc = desc3(b_ptr, E, K, N, stride_be, stride_b, BLOCK_K, BLOCK_N)
+    return desc
+
+
+@tilecomm.jit
+def tile_product(a_desc, a_g, off_m, b_desc, b_g, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = A[a_g, off_m:+BLOCK_M, :] @ B_(b_g)[:, off_n:+BLOCK_N] (zero past the edges)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak,
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0)
-        b = tl.load(b_ptr + ks[:, None].to(tl.int64) * stride_bk + cols[None, :] * stride_bn,
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0)
-        acc = tl.dot(a, b, acc)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([a_g, off_m, k * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
+        if B_TRANS:
+            b = b_desc.load([b_g, off_n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = b_desc.load([b_g, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
 @tilecomm.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def store_tile(c_desc, c_g, c_ptr, stride_cm, rows, N, acc, off_m, off_n, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr):
+    """Store acc (fp32) at rows off_m.., columns off_n.. of group c_g, in C's dtype. C_TMA: through c_desc
+    in EPILOGUE_SPLIT column slices; else masked stores at c_ptr (group c_g's first row) + r * stride_cm + c."""
+    dtype = c_ptr.dtype.element_ty
+    if C_TMA:
+        if EPILOGUE_SPLIT == 2:
+            halves = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1)
+            c0, c1 = tl.split(halves)
+            c_desc.store([c_g, off_m, off_n], c0.to(dtype).reshape(1, BLOCK_M, BLOCK_N // 2))
+            c_desc.store([c_g, off_m, off_n + BLOCK_N // 2], c1.to(dtype).reshape(1, BLOCK_M, BLOCK_N // 2))
+        else:
+            c_desc.store([c_g, off_m, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+    else:
+        r = off_m + tl.arange(0, BLOCK_M)
+        c = off_n + tl.arange(0, BLOCK_N)
+        tl.store(c_ptr + r[:, None].to(tl.int64) * stride_cm + c[None, :], acc.to(dtype),
+                 mask=(r[:, None] < rows) & (c[None, :] < N))
+
+
+@tilecomm.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_b, stride_cm,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
+                   C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    a_desc = desc3(a_ptr, 1, M, K, tl.cast(M, tl.int64) * stride_am, stride_am, BLOCK_M, BLOCK_K)
+    # one group: any aligned group stride will do
+    b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
+    c_desc = c_desc3(c_ptr, 1, M, N, tl.cast(M, tl.int64) * stride_cm, stride_cm, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
+                     C_TMA)
+    tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = mma_tile(a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
-        tl.store(c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=not WARP_SPECIALIZE,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = tile_position(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tile_product(a_desc, 0, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           B_TRANS, PRECISION)
+        store_tile(c_desc, 0, c_ptr, stride_cm, M, N, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
+                   EPILOGUE_SPLIT, C_TMA)
 
 
 def check_operands(what: str, a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: str = "b") -> None:
@@ -89,35 +278,28 @@ def check_operands(what: str, a: torch.Tensor, b: torch.Tensor, a_name: str = "a
         raise ValueError(f"{what}: {a_name} must be contiguous (row-major), got strides {tuple(a.stride())}")
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
-    """C = a @ b with the persistent tile kernel (the GEMM the fused kernels are built from)."""
-    check_operands("tilecomm.overlap.matmul", a, b)
+def _launch_matmul(a, b, b_trans, c, cfg: GemmConfig) -> None:
     M, K = a.shape
-    N = b.shape[1]
-    cfg = config or config_for(M, N, a.device)
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    N = c.shape[1]
     tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    _matmul_kernel[(num_programs(tiles, a.device),)](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0),
-                                                    b.stride(1), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                                                    BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps,
-                                                    num_stages=cfg.num_stages)
+    prepare_tma()
+    _matmul_kernel[(num_programs(tiles, a.device),)](
+        a, b, c, M, N, K, a.stride(0), b.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=_aligned(c),
+        PRECISION=dot_precision(a.dtype), **cfg.launch())
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, config=None) -> torch.Tensor:
+    """C [M, N] = a [M, K] @ b [K, N] with the persistent TMA tile GEMM (the one the fused ops use).
+    b may be row- or column-major (a transposed weight is read in place). config: see resolve_config."""
+    check_operands("tilecomm.overlap.matmul", a, b)
+    (M, K), N = a.shape, b.shape[1]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    a, _ = tma_operand(a)
+    bt, b_trans = tma_operand(b, allow_trans=True)
+    cfg = resolve_config(config, M, N, a.dtype, a.device, lambda cfg: _launch_matmul(a, bt, b_trans, c, cfg))
+    _launch_matmul(a, bt, b_trans, c, cfg)
     return c
-
-
-class SymmetricWorkspace:
-    """Symmetric buffers of one fused op, per (shape, dtype) key, allocated once (collectively) and
-    kept in the runtime context; `epoch` counts the op's calls (the same on every rank)."""
-
-    def __init__(self, tensors: dict):
-        self.__dict__.update(tensors)
-        self.epoch = 0
-
-    @classmethod
-    def get(cls, key, make):
-        ctx = tilecomm.current()
-        ws = ctx.caches.get(key)
-        if ws is None:
-            ws = ctx.caches[key] = cls(make())
-            tilecomm.barrier()
-        ws.epoch += 1
-        return ws

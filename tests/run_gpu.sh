@@ -4,7 +4,8 @@
 #   bash tests/run_gpu.sh                    # gemm tests bench train, on all GPUs of the machine
 #   bash tests/run_gpu.sh gemm tests         # some phases
 # Phases:
-#   gemm   tilecomm's tile GEMM configs against cuBLAS (one GPU)            -> $OUT/gemm.json
+#   gemm   tilecomm's GEMMs (matmul, ag_gemm/gemm_rs at world 1, grouped_mm) beside cuBLAS /
+#          torch._grouped_mm, after a config sweep (one GPU; GEMM_ARGS adds flags) -> $OUT/gemm.json
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only)      -> $OUT/tests.log
 #   bench  every tilecomm.bench op against NCCL (needs 2+ GPUs)             -> $OUT/bench_*.json
@@ -25,8 +26,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 
 has() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
 
+if has self; then
+  timeout "${SELF_TIMEOUT:-300}" python3 -m tilecomm.bench self --json "$OUT/self.json" 2>&1 | grep -v "named symbol not found" | tee "$OUT/self.log"
+fi
+
 if has gemm; then
-  timeout 300 python3 -m tilecomm.bench.gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log" | grep -E "^[0-9]|best|failed"
+  timeout "${GEMM_TIMEOUT:-420}" torchrun --standalone --nproc-per-node 1 -m tilecomm.bench.gemm ${GEMM_ARGS:---sweep} \
+    --json "$OUT/gemm.json" 2>&1 | grep -v "named symbol not found" | tee "$OUT/gemm.log" | grep -vE "^  sweep"
 fi
 
 if has tests; then

@@ -1,0 +1,217 @@
+"""grouped_mm: one GEMM per expert over its rows, as torch._grouped_mm, differentiable in x and w.
+
+    x [R, K] (rows grouped by expert), w [E, K, N], offs [E] int32 cumulative row ends
+    -> y [R, N], y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]   (offs[-1] = 0)
+
+Worked example: offs = [2, 2, 5] -> rows 0-1 use w[0], expert 1 has no rows, rows 2-4 use w[2].
+
+Two persistent TMA kernels (tiles.py) cover the three products:
+* `_rows_kernel`: y = x @ w[e] per group of rows (forward), and dx = dy @ w[e]^T (B_TRANS: w read in
+  place). Work items are (expert, row tile, column tile), numbered expert by expert; every program
+  finds an item's expert from offs in registers (no host sync, one launch). Full row tiles store by TMA,
+  an expert's last partial tile by masked stores.
+* `_wgrad_kernel`: dw[e] = x[rows of e]^T @ dy[rows of e], items (expert, K tile, N tile); the loop
+  over the expert's rows runs on TMA tiles, the last partial row chunk is masked. Empty experts give 0.
+`grouped_mm_reference` is the float64-capable torch loop the tests compare with.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import tilecomm
+
+from .tiles import (GemmConfig, b_desc3, c_desc3, desc3, dot_precision, num_programs, prepare_tma, resolve_config, store_tile,
+                    tile_position, tile_product, tma_operand)
+
+_WGRAD = {"gpu": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "cpu": GemmConfig(16, 16, 16, 1, 1, 1, 1, False)}
+
+
+@tilecomm.jit
+def _expert_table(offs_ptr, E, tiles_n, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """Per expert (vectors of E_PAD, zero past E): first row, row count, and its items' end (inclusive
+    running sum of tiles_n * cdiv(rows, BLOCK_M): items are numbered expert by expert)."""
+    idx = tl.arange(0, E_PAD)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx < E), other=0)
+    rows = ends - starts
+    return starts, rows, tl.cumsum(tl.cdiv(rows, BLOCK_M) * tiles_n, 0)
+
+
+@tilecomm.jit
+def _pick(vec, idx, e):
+    return tl.sum(tl.where(idx == e, vec, 0), 0)
+
+
+@tilecomm.jit
+def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we, stride_w, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
+                 C_TMA: tl.constexpr, PRECISION: tl.constexpr, E_PAD: tl.constexpr):
+    """y [R, N] = x [R, K] @ w[e] per expert's rows; w[e] is [K, N] (or [N, K] read transposed)."""
+    x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_M, BLOCK_K)
+    w_desc = b_desc3(w_ptr, E, K, N, stride_we, stride_w, BLOCK_K, BLOCK_N, B_TRANS)
+    y_desc = c_desc3(y_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_ym, stride_ym, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
+                     C_TMA)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    starts, counts, item_ends = _expert_table(offs_ptr, E, tiles_n, BLOCK_M, E_PAD)
+    idx = tl.arange(0, E_PAD)
+    for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
+        e = tl.sum((item_ends <= tile).to(tl.int32), 0)
+        start, rows = _pick(starts, idx, e), _pick(counts, idx, e)
+        tiles_m = tl.cdiv(rows, BLOCK_M)
+        pid_m, pid_n = tile_position(tile - (_pick(item_ends, idx, e) - tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+        off_m = start + pid_m * BLOCK_M
+        acc = tile_product(x_desc, 0, off_m, w_desc, e, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
+                           PRECISION)
+        if C_TMA and (pid_m + 1) * BLOCK_M <= rows:
+            store_tile(y_desc, 0, y_ptr, stride_ym, R, N, acc, off_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
+                       EPILOGUE_SPLIT, True)
+        else:  # the expert's last rows: masked stores (the next expert's rows are not ours)
+            store_tile(y_desc, 0, y_ptr + tl.cast(start, tl.int64) * stride_ym, stride_ym, rows, N, acc,
+                       pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, False)
+
+
+@tilecomm.jit
+def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, C_TMA: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; BLOCK_M tiles K, BLOCK_K steps over rows."""
+    x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_K, BLOCK_M)
+    dy_desc = desc3(dy_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_dym, stride_dym, BLOCK_K, BLOCK_N)
+    dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
+    tiles_m = tl.cdiv(K, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), E * tiles_m * tiles_n, tl.num_programs(0)):
+        e = tile // (tiles_m * tiles_n)
+        pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(offs_ptr + e)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        full = (end - start) // BLOCK_K
+        for i in tl.range(0, full):
+            a = x_desc.load([0, start + i * BLOCK_K, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
+            b = dy_desc.load([0, start + i * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a.T, b, acc, input_precision=PRECISION)
+        tail = start + full * BLOCK_K
+        if tail < end:  # the last rows of the expert: rows of the next expert are zeroed
+            a = x_desc.load([0, tail, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
+            b = dy_desc.load([0, tail, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            ok = (tail + tl.arange(0, BLOCK_K)) < end
+            acc = tl.dot(tl.where(ok[:, None], a, 0).T, b, acc, input_precision=PRECISION)
+        store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, pid_m * BLOCK_M,
+                   pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
+
+
+def _check(x, w, offs, check_offs: bool) -> None:
+    what = "tilecomm.overlap.grouped_mm"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{what}: x must be a 2-D tensor [R, K], got {getattr(x, 'shape', type(x))}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"{what}: w must be a 3-D tensor [E, K, N], got {getattr(w, 'shape', type(w))}")
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1:
+        raise ValueError(f"{what}: offs must be a 1-D int32 tensor [E], got {getattr(offs, 'shape', type(offs))}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.dtype != x.dtype:
+        raise TypeError(f"{what}: x and w must share a dtype in bfloat16/float16/float32, got {x.dtype}, {w.dtype}")
+    if offs.dtype != torch.int32:
+        raise TypeError(f"{what}: offs must be int32 (cumulative row ends), got {offs.dtype}")
+    if x.device != w.device or offs.device != x.device:
+        raise ValueError(f"{what}: x, w and offs must be on one device, got {x.device}, {w.device}, {offs.device}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{what}: x [R, K] and w [E, K, N] disagree on K: x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if offs.shape[0] != w.shape[0]:
+        raise ValueError(f"{what}: offs must have one entry per expert (w has E={w.shape[0]}), got {offs.shape[0]}")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: x must be contiguous (row-major), got strides {tuple(x.stride())}")
+    if w.stride(2) != 1 and w.stride(1) != 1:
+        raise ValueError(f"{what}: w must be row- or column-major in its last two dims, got strides {tuple(w.stride())}")
+    if (check_offs or offs.device.type == "cpu") and offs.numel():  # on GPUs this costs one host sync
+        o = offs.cpu()
+        if bool((o.diff() < 0).any()) or int(o[0]) < 0:
+            raise ValueError(f"{what}: offs must be non-decreasing and >= 0, got {o.tolist()}")
+        if int(o[-1]) != x.shape[0]:
+            raise ValueError(f"{what}: offs[-1] must equal x's row count {x.shape[0]}, got {int(o[-1])}")
+
+
+def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
+    """y [R, N] per expert: x @ w[e] (w [E, K, N]), or with w_trans x @ w[e]^T (w [E, N, K])."""
+    R, K = x.shape
+    E, N = w.shape[0], (w.shape[1] if w_trans else w.shape[2])
+    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    if R == 0 or N == 0 or E == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    x_t, _ = tma_operand(x)
+    w_t, flip = tma_operand(w, allow_trans=True)  # w_t is w or w's transpose in the last two dims
+    trans = w_trans != flip
+    cfg = resolve_config(config, R // max(E, 1) + 1, N, x.dtype, x.device, lambda cfg: _launch_rows(
+        x_t, w_t, trans, y, offs, cfg))
+    _launch_rows(x_t, w_t, trans, y, offs, cfg)
+    return y
+
+
+def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
+    (R, K), E, N = x.shape, w.shape[0], y.shape[1]
+    tiles = (triton.cdiv(R, cfg.BLOCK_M) + E) * triton.cdiv(N, cfg.BLOCK_N)
+    prepare_tma()
+    _rows_kernel[(num_programs(tiles, x.device),)](
+        x, w, y, offs, R, K, N, E, x.stride(0), w.stride(0), w.stride(1), y.stride(0), B_TRANS=trans,
+        C_TMA=y.stride(0) * y.element_size() % 16 == 0, PRECISION=dot_precision(x.dtype),
+        E_PAD=triton.next_power_of_2(E), **cfg.launch())
+
+
+def _wgrad(x, dy, offs, E: int, config) -> torch.Tensor:
+    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]."""
+    (R, K), N = x.shape, dy.shape[1]
+    dw = torch.empty((E, K, N), dtype=x.dtype, device=x.device)
+    if R == 0 or K == 0 or N == 0:
+        return dw.zero_()
+    x_t, _ = tma_operand(x)
+    dy_t, _ = tma_operand(dy.contiguous())
+    cfg = config if isinstance(config, GemmConfig) else _WGRAD["gpu" if x.is_cuda else "cpu"]
+    tiles = E * triton.cdiv(K, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    prepare_tma()
+    _wgrad_kernel[(num_programs(tiles, x.device),)](
+        x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0), dy_t.stride(0), dw.stride(0), dw.stride(1),
+        C_TMA=dw.stride(1) * dw.element_size() % 16 == 0, PRECISION=dot_precision(x.dtype), **cfg.launch())
+    return dw
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offs, config):
+        ctx.save_for_backward(x, w, offs)
+        ctx.config = config
+        return _rows(x, w, offs, False, config)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _rows(dy, w, offs, True, ctx.config) if ctx.needs_input_grad[0] else None
+        dw = _wgrad(x, dy, offs, w.shape[0], None) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None, check_offs: bool = True
+               ) -> torch.Tensor:
+    """x [R, K] rows grouped by expert, w [E, K, N], offs [E] int32 cumulative row ends (offs[-1] = R)
+    -> [R, N] (x's dtype: bfloat16, float16 or float32). Differentiable in x and w; the backward
+    products (dx = dy @ w[e]^T, dw[e] = x_e^T @ dy_e) are grouped GEMMs too. config: tiles.resolve_config.
+    offs is checked (non-decreasing, last entry R) always on CPU ranks, and on GPUs with check_offs
+    (one host sync; callers that build offs themselves, like the MoE experts, pass False)."""
+    _check(x, w, offs, check_offs)
+    return _GroupedMM.apply(x, w, offs, config)
+
+
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The per-expert loop in x's dtype (pass float64 for a float64 reference)."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        out[s:t] = x[s:t] @ w[e]
+    return out
