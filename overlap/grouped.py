@@ -29,12 +29,13 @@ _WGRAD = {"gpu": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "cpu": GemmConfig(
 
 
 @tilecomm.jit
-def _expert_table(offs_ptr, E, tiles_n, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+def _expert_table(offs_ptr, R, E, tiles_n, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
     """Per expert (vectors of E_PAD, zero past E): first row, row count, and its items' end (inclusive
-    running sum of tiles_n * cdiv(rows, BLOCK_M): items are numbered expert by expert)."""
+    running sum of tiles_n * cdiv(rows, BLOCK_M): items are numbered expert by expert). Entry E holds
+    the rows past offs[E-1] (none when offs[E-1] = R): their w index E is out of bounds, so they get 0."""
     idx = tl.arange(0, E_PAD)
-    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
-    starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx < E), other=0)
+    ends = tl.where(idx == E, R, tl.load(offs_ptr + idx, mask=idx < E, other=0))
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx <= E), other=0)
     rows = ends - starts
     return starts, rows, tl.cumsum(tl.cdiv(rows, BLOCK_M) * tiles_n, 0)
 
@@ -55,7 +56,7 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
     y_desc = c_desc3(y_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_ym, stride_ym, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
                      C_TMA)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    starts, counts, item_ends = _expert_table(offs_ptr, E, tiles_n, BLOCK_M, E_PAD)
+    starts, counts, item_ends = _expert_table(offs_ptr, R, E, tiles_n, BLOCK_M, E_PAD)
     idx = tl.arange(0, E_PAD)
     for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
         e = tl.sum((item_ends <= tile).to(tl.int32), 0)
@@ -127,7 +128,7 @@ def _check(x, w, offs, check_offs: bool) -> None:
         raise ValueError(f"{what}: x must be contiguous (row-major), got strides {tuple(x.stride())}")
     if w.stride(2) != 1 and w.stride(1) != 1:
         raise ValueError(f"{what}: w must be row- or column-major in its last two dims, got strides {tuple(w.stride())}")
-    if (check_offs or offs.device.type == "cpu") and offs.numel():  # on GPUs this costs one host sync
+    if check_offs and offs.numel():  # on GPUs this costs one host sync
         o = offs.cpu()
         if bool((o.diff() < 0).any()) or int(o[0]) < 0:
             raise ValueError(f"{what}: offs must be non-decreasing and >= 0, got {o.tolist()}")
@@ -155,12 +156,12 @@ def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
 
 def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
     (R, K), E, N = x.shape, w.shape[0], y.shape[1]
-    tiles = (triton.cdiv(R, cfg.BLOCK_M) + E) * triton.cdiv(N, cfg.BLOCK_N)
+    tiles = (triton.cdiv(R, cfg.BLOCK_M) + E + 1) * triton.cdiv(N, cfg.BLOCK_N)
     prepare_tma()
     _rows_kernel[(num_programs(tiles, x.device),)](
         x, w, y, offs, R, K, N, E, x.stride(0), w.stride(0), w.stride(1), y.stride(0), B_TRANS=trans,
         C_TMA=y.stride(0) * y.element_size() % 16 == 0, PRECISION=dot_precision(x.dtype),
-        E_PAD=triton.next_power_of_2(E), **cfg.launch())
+        E_PAD=triton.next_power_of_2(E + 1), **cfg.launch())
 
 
 def _wgrad(x, dy, offs, E: int, config) -> torch.Tensor:
@@ -201,8 +202,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, config=None
     """x [R, K] rows grouped by expert, w [E, K, N], offs [E] int32 cumulative row ends (offs[-1] = R)
     -> [R, N] (x's dtype: bfloat16, float16 or float32). Differentiable in x and w; the backward
     products (dx = dy @ w[e]^T, dw[e] = x_e^T @ dy_e) are grouped GEMMs too. config: tiles.resolve_config.
-    offs is checked (non-decreasing, last entry R) always on CPU ranks, and on GPUs with check_offs
-    (one host sync; callers that build offs themselves, like the MoE experts, pass False)."""
+    With check_offs (the default) offs is checked first: non-decreasing, last entry R (on GPUs this
+    costs one host sync). With check_offs=False offs[-1] may be below R (a dispatcher's padding rows, last): those rows
+    get zero outputs and zero gradients (the MoE experts build offs themselves and pass False)."""
     _check(x, w, offs, check_offs)
     return _GroupedMM.apply(x, w, offs, config)
 

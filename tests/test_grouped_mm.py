@@ -65,6 +65,21 @@ def test_grouped_mm_transposed_weight_read_in_place():
     assert _rel(grouped_mm(x, wt, offs), grouped_mm_reference(x.double(), w.double(), offs)) < 1e-5
 
 
+def test_grouped_mm_padding_rows_unchecked():
+    """check_offs=False: rows past offs[-1] (a dispatcher's padding) give zero outputs and gradients."""
+    x, w, dy, offs = _case([4, 0, 6, 3], 16, 24, torch.float32, seed=5)
+    xs = torch.cat([x, torch.randn(5, 16)]).requires_grad_()
+    ws = w.clone().requires_grad_()
+    y = grouped_mm(xs, ws, offs, check_offs=False)
+    y.backward(torch.cat([dy, torch.randn(5, 24)]))
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    want = grouped_mm_reference(xd, wd, offs)
+    want.backward(dy.double())
+    assert _rel(y[:13].detach(), want.detach()) < 1e-5 and not y[13:].any()
+    assert _rel(xs.grad[:13], xd.grad) < 1e-5 and not xs.grad[13:].any()
+    assert _rel(ws.grad, wd.grad) < 1e-5
+
+
 def test_grouped_mm_bad_input():
     x, w, _, offs = _case([3, 5], 8, 8, torch.float32, seed=1)
     cases = [
