@@ -1,0 +1,190 @@
+"""Nothing waits forever and nothing is orphaned: every host-side wait honours TILECOMM_TIMEOUT_S and
+names the call; ranks die with their launcher (SIGTERM, SIGINT, SIGKILL); the rank that died is the
+one named; local pools listen on 127.0.0.1 only."""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tilecomm
+from tilecomm.errors import HostTimeoutError, HostWaitError
+from tilecomm.spawn import RankError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LINUX = sys.platform.startswith("linux")
+T = 3.0  # TILECOMM_TIMEOUT_S of the pools below: every failure here comes after about this long
+
+
+def _skip(call: str):
+    """Rank 0 makes `call`, rank 1 does not: rank 0 must raise a timeout naming it, within T."""
+    if tilecomm.rank() != 0:
+        return None
+    start = time.monotonic()
+    try:
+        if call == "barrier":
+            tilecomm.barrier()
+        elif call == "empty":
+            tilecomm.empty((4,), torch.float32)
+        elif call == "zeros":
+            tilecomm.zeros((4,), torch.float32)
+        elif call == "collective":
+            tilecomm.all_gather_into_tensor(torch.empty(2 * tilecomm.world_size()), torch.ones(2))
+        elif call == "finalize":
+            tilecomm.finalize()
+    except TimeoutError as err:  # HostTimeoutError (host waits) or WaitTimeoutError (device waits)
+        again = None
+        if isinstance(err, HostTimeoutError) and call != "finalize":
+            try:  # the exchange is broken now: the next call says so at once
+                tilecomm.barrier()
+            except HostWaitError as later:
+                again = str(later)
+        return type(err).__name__, str(err), time.monotonic() - start, again
+    raise AssertionError(f"{call} skipped by rank 1 returned on rank 0")
+
+
+def _fresh_runtime():
+    """Drop this rank's runtime without a collective step and start a new one (new heap, new
+    bootstrap group): the way back after a failure, for the next case of the same pool."""
+    ctx = tilecomm.runtime._CTX
+    if ctx is not None:
+        tilecomm.runtime._finalize_at_exit()
+        ctx.boot.close()
+    tilecomm.init(backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with tilecomm.RankPool(2, env={"TILECOMM_TIMEOUT_S": str(T), "TILECOMM_HEAP_BYTES": "16MiB"}) as p:
+        yield p
+
+
+@pytest.mark.parametrize("call,label", [("barrier", "tilecomm.barrier"), ("empty", "tilecomm.empty"),
+                                        ("zeros", "tilecomm.empty"), ("finalize", "tilecomm.finalize"),
+                                        ("collective", None)])
+def test_a_rank_that_skips_a_call_times_the_others_out(pool, call, label):
+    try:
+        (kind, text, seconds, again), skipped = pool.run(_skip, call, timeout_s=60 + 2 * T)
+    finally:
+        pool.run(_fresh_runtime)
+    assert skipped is None
+    assert text.startswith("rank 0: "), text
+    if label is not None:  # host waits: the call and the limit are named
+        assert kind == "HostTimeoutError" and label in text and f"within {T:g} s (TILECOMM_TIMEOUT_S)" in text, text
+        assert call == "finalize" or "an earlier host-side exchange failed" in again, again
+    assert seconds >= T * 0.9, seconds  # it did wait for the others (the only bound is RankPool's hang guard)
+
+
+def test_rendezvous_under_rank_env_honours_the_timeout(tmp_path):
+    """RANK/WORLD_SIZE say 2 ranks, one starts: init gives up after TILECOMM_TIMEOUT_S, naming the rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               TILECOMM_TIMEOUT_S="2")
+    code = ("import tilecomm\nfrom tilecomm.errors import HostTimeoutError\ntry:\n    tilecomm.init(backend='cpu')\n"
+            "except HostTimeoutError as e:\n    print('TIMEOUT', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "TIMEOUT rank 0: tilecomm.init (rendezvous" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "within 2 s" in proc.stdout
+
+
+def _suicide_on_rank_1():
+    tilecomm.barrier()
+    if tilecomm.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    tilecomm.barrier()  # the peers lose rank 1 here
+
+
+def test_the_rank_that_died_is_named():
+    with tilecomm.RankPool(3, env={"TILECOMM_TIMEOUT_S": "5", "TILECOMM_HEAP_BYTES": "16MiB"}) as p:
+        with pytest.raises(RankError) as info:
+            p.run(_suicide_on_rank_1, timeout_s=120)
+    text = str(info.value)
+    assert info.value.rank == 1 and "rank process died (killed by SIGKILL)" in text, text
+    assert "--- the other ranks ---" in text and "rank 0:" in text and "rank 2:" in text, text
+
+
+def _rank_pids(piddir, world, proc):
+    deadline = time.monotonic() + 240
+    while len(glob.glob(os.path.join(piddir, "rank*.pid"))) < world:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.05)
+    return [int(open(p).read()) for p in sorted(glob.glob(os.path.join(piddir, "rank*.pid")))]
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_ranks_stop_with_their_launcher(tmp_path, sig):
+    before = set(glob.glob("/dev/shm/tilecomm-*"))
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "launcher_job.py"), str(tmp_path), "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = _rank_pids(str(tmp_path), 2, proc)
+        assert all(_running(p) for p in pids)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60  # a hang guard: without the fix they run forever
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(p) for p in pids), f"ranks {pids} outlived their launcher ({sig.name})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    assert set(glob.glob("/dev/shm/tilecomm-*")) <= before
+
+
+def _listening(pid):
+    """(address, port) of every TCP socket `pid` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    addr, port = cols[1].rsplit(":", 1)
+                    out.append((addr, int(port, 16)))
+    return out
+
+
+def _my_listening():
+    return os.getpid(), _listening(os.getpid()), os.environ["MASTER_PORT"]
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_local_pool_listens_on_loopback_only(pool):
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::ffff:127.0.0.1
+    ranks = pool.run(_my_listening)
+    port = int(ranks[0][2])
+    mine = _listening(os.getpid())
+    assert port in [p for _, p in mine], (port, mine)  # the store listens in the launcher
+    for pid, sockets, _ in [(os.getpid(), mine, None)] + ranks:
+        assert sockets or pid != os.getpid()
+        for addr, p in sockets:
+            assert addr in loopback, f"pid {pid} listens on {addr}:{p}, not 127.0.0.1"
