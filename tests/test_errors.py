@@ -144,3 +144,73 @@ def heap_reuse():
 
 def test_heap_free_and_reuse(ranks):
     ranks(2).run(heap_reuse)
+
+
+# -- environment and configs: invalid values fail at once, naming the variable or field ----------------
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "abc", ""])
+def test_invalid_timeouts_are_rejected(monkeypatch, value):
+    from tilecomm import _env
+
+    monkeypatch.setenv("TILECOMM_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=r"TILECOMM_TIMEOUT_S=.*: expected a finite number of seconds > 0"):
+        _env.timeout_s()
+    with pytest.raises(ValueError, match="TILECOMM_TIMEOUT_S"):
+        tilecomm.RankPool(2)  # before any process starts
+    monkeypatch.setenv("TILECOMM_TIMEOUT_S", "5")
+    for bad in (float("nan"), float("inf"), 0, -2.5):
+        with pytest.raises(ValueError, match="tilecomm.init: timeout_s="):
+            tilecomm.init(backend="cpu", timeout_s=bad)
+    assert not tilecomm.is_initialized()
+
+
+def set_bad_timeouts():
+    for bad in (float("nan"), float("inf"), 0, -1, "5"):
+        with pytest.raises(ValueError, match="set_timeout: seconds="):
+            tilecomm.set_timeout(bad)
+
+
+def test_set_timeout_rejects_invalid_values(ranks):
+    ranks(2).run(set_bad_timeouts)
+
+
+@pytest.mark.parametrize("name", ["TILECOMM_HEAP_BYTES", "TILECOMM_WORKSPACE_BYTES"])
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400", "infGiB", "-1", "0", "lots"])
+def test_invalid_byte_counts_are_rejected(monkeypatch, name, value):
+    from tilecomm import _env
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"{name}=.*byte count"):
+        _env.heap_bytes() if name == "TILECOMM_HEAP_BYTES" else _env.workspace_bytes(1 << 20)
+
+
+def test_heap_larger_than_free_shared_memory_is_refused():
+    from tilecomm.backend_cpu import _SHM_DIR, shm_shortfall
+
+    st = os.statvfs(_SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    assert shm_shortfall(1 << 20, 2) is None
+    heap = max(64 << 30, free)  # the case (64 GiB) where /dev/shm is smaller, else just too big
+    with pytest.raises(RankError) as info:
+        tilecomm.RankPool(2, env={"TILECOMM_HEAP_BYTES": str(heap), "TILECOMM_TIMEOUT_S": "20"})
+    text = str(info.value)
+    assert "MemoryError" in text and "GiB free" in text and "TILECOMM_HEAP_BYTES" in text, text
+
+
+def test_configs_reject_impossible_values(tmp_path):
+    from tilecomm.moe import MoEConfig, TokenFile, TrainConfig
+
+    good = dict(hidden=8, ffn_hidden=8, num_experts=4, topk=2)
+    for field, value in (("topk", 5), ("topk", 0), ("num_experts", 0), ("hidden", 0), ("max_tokens_per_rank", 0)):
+        with pytest.raises(ValueError, match=f"MoEConfig: {field}={value}"):
+            MoEConfig(**{**good, field: value})
+    for field, value in (("steps", 0), ("steps", -3), ("batch_size", 0), ("seq_len", 0), ("checkpoint_every", -1)):
+        with pytest.raises(ValueError, match=f"TrainConfig: {field}={value}"):
+            TrainConfig(**{"steps": 4, "batch_size": 2, "seq_len": 8, field: value})
+    cases = {"empty.bin": b"", "odd.bin": b"\x01\x00\x02", "one.bin": b"\x01\x00", "one.txt": b"a"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=rf"--data '.*{name}': .*(odd size|at least 2 tokens)"):
+            TokenFile(str(tmp_path / name))
+    (tmp_path / "short.txt").write_bytes(b"abcdef")
+    with pytest.raises(ValueError, match=r"--data '.*short.txt': 6 tokens, but seq_len=8 needs at least 10"):
+        TokenFile(str(tmp_path / "short.txt")).check_seq_len(8)

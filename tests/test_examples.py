@@ -34,3 +34,45 @@ def test_bench_cli_on_cpu_ranks(tmp_path, op, size):
           "--json", str(out)])
     rows = json.loads(out.read_text())
     assert rows and all(r["op"] == op and r["tilecomm_us"] > 0 and r["baseline_us"] > 0 for r in rows)
+
+
+def _example_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_moe_example", os.path.join(ROOT, "examples", "pretrain_moe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pretrain_flags_are_checked_before_ranks_start(tmp_path):
+    import argparse
+
+    example = _example_module()
+    base = dict(preset="cpu-tiny", steps=None, checkpoint_every=0, world_size=2, data=None, resume=False,
+                out=str(tmp_path / "run"))
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "short.txt").write_bytes(b"abcd")
+    cases = [(dict(steps=0), ValueError, "--steps 0: expected an int >= 1"),
+             (dict(steps=-3), ValueError, "--steps -3: expected an int >= 1"),
+             (dict(checkpoint_every=-1), ValueError, "--checkpoint-every -1: expected an int >= 0"),
+             (dict(world_size=0), ValueError, "--world-size 0"),
+             (dict(data=str(tmp_path / "odd.bin")), ValueError, "--data .*odd.bin.*odd size"),
+             (dict(data=str(tmp_path / "empty.bin")), ValueError, "--data .*empty.bin.*at least 2 tokens"),
+             (dict(data=str(tmp_path / "short.txt")), ValueError, "--data .*short.txt.*seq_len=32 needs"),
+             (dict(data=str(tmp_path / "missing.bin")), FileNotFoundError, "--data .*missing.bin.*no such file"),
+             (dict(resume=True), FileNotFoundError, "checkpoint .* not found")]
+    for change, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            example.check_flags(argparse.Namespace(**{**base, **change}))
+    example.check_flags(argparse.Namespace(**base))  # the defaults pass
+
+
+def test_pretrain_bad_flag_exits_with_usage_error(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    for flags, text in ((["--steps", "0"], "--steps 0"), (["--data", str(tmp_path / "odd.bin")], "odd size")):
+        proc = subprocess.run([sys.executable, "examples/pretrain_moe.py", *flags, "--out", str(tmp_path / "run")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and text in proc.stderr and "usage:" in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "run").exists()  # nothing started
