@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import tilecomm
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TokenFile, TrainConfig,
-                          Trainer, Transformer)
+                          Trainer, Transformer, parallelize)
 from tilecomm.moe import checkpoint
 
 PRESETS = {
@@ -91,14 +91,15 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
                          "(expert parallelism needs num_experts divisible by the world size)")
     tcfg = TrainConfig(**dict(preset["train"], **({"steps": args.steps} if args.steps is not None else {})),
                        out_dir=args.out, resume=args.resume, checkpoint_every=args.checkpoint_every, progress=rank == 0,
-                       peak_flops=989e12 if device.type == "cuda" else None)
+                       peak_flops=989e12 if device.type == "cuda" else None, compile=args.compile, profile=args.profile,
+                       save=not args.no_checkpoint)
     moe_cfg = MoEConfig(hidden=mcfg.hidden, ffn_hidden=moe["ffn_hidden"], num_experts=moe["num_experts"], topk=moe["topk"],
                         router=dict(aux_loss_coeff=1e-2), seed=args.seed,
                         max_tokens_per_rank=tcfg.batch_size * tcfg.seq_len)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
     model = Transformer(mcfg, moe_layer=lambda i: MoELayer(moe_cfg, dispatcher=args.dispatcher if world > 1 else "local",
-                                                           device=device), cp_group=cp_group,
-                        tp_group=tp_group).to(device)
+                                                           device=device))
+    model = parallelize(model, tp_group=tp_group, cp_group=cp_group).to(device)
     return data, mcfg, moe_cfg, tcfg, model
 
 
@@ -125,9 +126,7 @@ def run_rank(args) -> dict:
     groups = layout.create_groups()
     cp_group, tp_group = groups.cp if args.cp > 1 else None, groups.tp if args.tp > 1 else None
     data, mcfg, moe_cfg, tcfg, model = build(args, world, rank, ctx.device, cp_group, tp_group)
-    dp_rank = groups.ranks["dp"].index(rank)  # ranks of one CP x TP group read the same sequences
-    trainer = Trainer(model, data, tcfg, dp_group=groups.dp_cp, edp_group=groups.edp, ep_group=groups.ep,
-                      cp_group=cp_group, tp_group=tp_group, dp_rank=dp_rank, ep_rank=rank,
+    trainer = Trainer(model, data, tcfg, groups=groups,
                       flops_per_token=flops_per_token(model, mcfg, moe_cfg, world, tcfg.seq_len, args.tp),
                       config_record=dict(preset=args.preset, world=world, cp=args.cp, seed=args.seed, data=args.data,
                                          experts=moe_cfg.num_experts))
@@ -151,6 +150,9 @@ def main() -> None:
     p.add_argument("--out", default="runs/pretrain_moe")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--recompute", action="store_true", help="activation recompute per block")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--profile", action="store_true", help="profile steps 5-7: trace.json.gz in --out, top kernels printed")
+    p.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint (benchmark runs)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (divides the world size)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of attention and the dense MLP, with "
                    "sequence parallelism (tp x cp divides the world size; divides num_heads)")

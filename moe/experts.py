@@ -7,7 +7,10 @@
 Per expert e: y = (silu(x @ Wg_e) * (x @ Wu_e)) @ Wd_e, with w_gate_up[e] = [Wg_e | Wu_e] ([H, 2F],
 gate columns first) and w_down[e] = Wd_e ([F, H]). impl="auto" uses torch._grouped_mm where a one-time
 probe (forward and backward against the loop, per device / dtype / shape) says it works, else the loop
-(torch.split by tokens_per_expert.tolist(): one host sync); "grouped" / "loop" force one.
+(torch.split by tokens_per_expert.tolist(): one host sync); "grouped" / "loop" force one; "tilecomm"
+runs the same math on tilecomm.overlap.grouped_mm. x may hold
+more rows than tokens_per_expert counts (a dispatcher's padding rows, last): their outputs are
+unspecified (zero for the loop) and get no gradient. SwiGLU is the fused op of moe/ops/swiglu.py.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from .ops.swiglu import swiglu
 
 _PROBED: Dict[Tuple, bool] = {}
 
@@ -30,11 +34,6 @@ def init_swiglu(hidden: int, ffn_hidden: int, gen: torch.Generator, std: float) 
     return torch.randn(hidden, 2 * ffn_hidden, generator=gen) * std, torch.randn(ffn_hidden, hidden, generator=gen) * std
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous (grouped GEMMs need real strides)."""
 
@@ -47,17 +46,27 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def grouped_swiglu(x, w_gate_up, w_down, offs):
-    """x [R, H], w_gate_up [E, H, 2F], w_down [E, F, H], offs [E] int32 cumulative row ends."""
-    h = _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), w_gate_up, offs=offs))
-    return _ContiguousGrad.apply(torch._grouped_mm(swiglu(h).contiguous(), w_down, offs=offs))
+def grouped_swiglu(x, w_gate_up, w_down, offs, mm=None):
+    """x [R, H], w_gate_up [E, H, 2F], w_down [E, F, H], offs [E] int32 cumulative row ends.
+    mm(a, b, offs): the grouped GEMM (default torch._grouped_mm; impl="tilecomm": tilecomm's grouped_mm)."""
+    mm = mm or (lambda a, b, offs: torch._grouped_mm(a, b, offs=offs))
+    h = _ContiguousGrad.apply(mm(x.contiguous(), w_gate_up, offs))
+    return _ContiguousGrad.apply(mm(swiglu(h).contiguous(), w_down, offs))
+
+
+def tilecomm_grouped_mm(a, b, offs):
+    """tilecomm.overlap.grouped_mm (persistent TMA kernels); offs built here, so unchecked (no host sync)."""
+    from tilecomm.overlap import grouped_mm
+
+    return grouped_mm(a, b, offs, check_offs=False)
 
 
 def loop_swiglu(x, w_gate_up, w_down, counts: Sequence[int]):
-    """Reference: one pair of matmuls per expert over its rows."""
-    chunks = x.split(list(counts))
-    out = [swiglu(c @ w_gate_up[e]) @ w_down[e] for e, c in enumerate(chunks)]
-    return torch.cat(out) if out else x.new_zeros(0, w_down.shape[-1])
+    """Reference: one pair of matmuls per expert over its rows (rows past sum(counts): zero)."""
+    counts = list(counts)
+    chunks = x.split(counts + [x.shape[0] - sum(counts)])
+    out = [swiglu(c @ w_gate_up[e]) @ w_down[e] for e, c in enumerate(chunks[:-1])]
+    return torch.cat(out + [chunks[-1].new_zeros(chunks[-1].shape[0], w_down.shape[-1])])
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype, hidden: int, ffn_hidden: int) -> bool:
@@ -103,8 +112,8 @@ class GroupedSwiGLUExperts(nn.Module):
         """seed: initialise expert first_expert + i from expert_generator(seed, 1 + global id), so a
         rank's slice equals the matching slice of a single-process layer with the same seed."""
         super().__init__()
-        if impl not in ("auto", "grouped", "loop"):
-            raise ValueError(f"GroupedSwiGLUExperts: impl={impl!r}; expected 'auto', 'grouped' or 'loop'")
+        if impl not in ("auto", "grouped", "loop", "tilecomm"):
+            raise ValueError(f"GroupedSwiGLUExperts: impl={impl!r}; expected 'auto', 'grouped', 'tilecomm' or 'loop'")
         self.num_local_experts, self.hidden, self.ffn_hidden, self.impl = num_local_experts, hidden, ffn_hidden, impl
         gu, dn = [], []
         for e in range(first_expert, first_expert + num_local_experts):
@@ -117,7 +126,7 @@ class GroupedSwiGLUExperts(nn.Module):
     def use_grouped(self, dtype: Optional[torch.dtype] = None) -> bool:
         """Whether forward runs torch._grouped_mm for inputs of `dtype` (default: the weights')."""
         if self.impl != "auto":
-            return self.impl == "grouped"
+            return self.impl in ("grouped", "tilecomm")
         return grouped_mm_works(self.w_down.device, dtype or self.w_down.dtype, self.hidden, self.ffn_hidden)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -130,7 +139,7 @@ class GroupedSwiGLUExperts(nn.Module):
             x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
         if self.use_grouped(w_down.dtype):
             offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)
-            return grouped_swiglu(x, w_gate_up, w_down, offs)
+            return grouped_swiglu(x, w_gate_up, w_down, offs, tilecomm_grouped_mm if self.impl == "tilecomm" else None)
         return loop_swiglu(x, w_gate_up, w_down, tokens_per_expert.tolist())
 
 

@@ -8,7 +8,10 @@ The dispatcher is the only parallel piece; the math is in router.py / experts.py
 Dispatcher interface works (`num_experts`, `rank`, `world_size`, `num_local_experts`, `dispatch(x, idx,
 w) -> res` with res.x [R, H] expert-major, res.tokens_per_expert [E_l], res.handle, and
 `combine(y, handle) -> [T, H]`): a tilecomm.dispatch.Dispatcher (EP over the world: rank r owns experts
-r*E/EP ... (r+1)*E/EP - 1) or `LocalDispatcher` (EP = 1, pure torch, no distributed runtime).
+r*E/EP ... (r+1)*E/EP - 1) or `LocalDispatcher` (EP = 1, no distributed runtime: a sort and the
+fused permute / weighted unpermute of moe/ops/permute.py, no host sync). Under torch.compile the
+local dispatcher is traced with the rest of the layer; any other dispatcher runs eagerly between
+compiled graphs (a graph break).
 
 Initialisation is per global id from config.seed (router: slot 0, expert e: slot 1 + e, shared expert:
 slot 1 + E; see experts.expert_generator), so layers built with the same config on EP = 1, 2, 3 ...
@@ -29,7 +32,8 @@ import torch.nn as nn
 from tilecomm.dispatch.handle import DispatchResult
 
 from .experts import GroupedSwiGLUExperts, SharedExpert, expert_generator
-from .router import Router, RouterConfig
+from .ops.permute import permute, unpermute
+from .router import Router, RouterConfig, count_per_expert
 
 EXPERT_PARAMS = ("experts.w_gate_up", "experts.w_down")
 
@@ -49,6 +53,14 @@ class MoEConfig:
     max_tokens_per_rank: int = 65536  # for the default tilecomm Dispatcher
     experts_impl: str = "auto"  # "auto" | "grouped" | "loop"
 
+    def __post_init__(self):
+        for name in ("hidden", "ffn_hidden", "num_experts", "max_tokens_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MoEConfig: {name}={value!r}; expected an int >= 1")
+        if not isinstance(self.topk, int) or not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"MoEConfig: topk={self.topk!r}; expected an int in [1, num_experts={self.num_experts}]")
+
     def router_config(self) -> RouterConfig:
         r = self.router
         if isinstance(r, RouterConfig):
@@ -60,16 +72,20 @@ class MoEConfig:
 
 @dataclass
 class LocalHandle:
-    """pair_row [T, K]: row of pair (t, k), -1 if none; row_token [R]; row_weights [R] float32."""
+    """pair_row [T, K]: row of pair (t, k), -1 if dropped; row_pair [R = T*K]: pair p = t*K + k behind
+    each row, -1 for the rows of dropped pairs (zero rows after the kept ones); topk_weights [T, K]
+    float32 (autograd-connected: combine's backward gives them their gradient)."""
     num_tokens: int
     pair_row: torch.Tensor
-    row_token: torch.Tensor
-    row_weights: torch.Tensor
+    row_pair: torch.Tensor
+    topk_weights: torch.Tensor
 
 
 class LocalDispatcher:
-    """EP = 1 permute / unpermute with the Dispatcher interface, in plain (differentiable) torch ops.
-    Rows are expert-major, then token index (the same order a Dispatcher gives, with one rank)."""
+    """EP = 1 permute / unpermute with the Dispatcher interface. Rows are expert-major, then token
+    index (the same order a Dispatcher gives, with one rank); R = T*K rows always (a static shape:
+    no host sync, and torch.compile sees no data-dependent size), the rows of pairs dropped by
+    capacity last and zero (tokens_per_expert counts only the kept ones)."""
 
     rank, world_size = 0, 1
 
@@ -79,25 +95,22 @@ class LocalDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         T, K = topk_idx.shape
-        idx = topk_idx.long().flatten()
-        pairs = torch.nonzero(idx >= 0).flatten()
-        order = torch.sort(idx[pairs] * max(T * K, 1) + pairs, stable=True).indices  # expert, then pair
-        pairs = pairs[order]
-        pair_row = torch.full((T * K,), -1, dtype=torch.int64, device=x.device)
-        pair_row[pairs] = torch.arange(pairs.numel(), device=x.device)
-        row_token = pairs // K
-        weights = topk_weights.float().flatten()[pairs]
-        counts = torch.bincount(idx[pairs], minlength=self.num_experts)
-        handle = LocalHandle(T, pair_row.view(T, K), row_token, weights)
-        return DispatchResult(x[row_token], weights, counts, handle)
+        E = self.num_experts
+        key = topk_idx.long().reshape(-1)
+        key = torch.where(key >= 0, key, E)  # dropped pairs sort last
+        sorted_key, order = torch.sort(key, stable=True)  # expert, then pair index (= token, then k)
+        row_pair = torch.where(sorted_key < E, order, -1)
+        pair_row = torch.empty_like(order).scatter_(0, order, torch.arange(T * K, device=key.device))
+        pair_row = torch.where(key < E, pair_row, -1).view(T, K)
+        weights = topk_weights.float()
+        row_weights = torch.where(row_pair >= 0, weights.detach().reshape(-1)[order], 0.0)
+        rows = permute(x, row_pair, pair_row)
+        counts = count_per_expert(topk_idx, E)
+        return DispatchResult(rows, row_weights, counts, LocalHandle(T, pair_row, row_pair, weights))
 
     def combine(self, y: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
         """out[t] = sum_k w[t, k] * y[row(t, k)], accumulated in fp32 (or wider) in k order."""
-        acc = torch.promote_types(y.dtype, torch.float32)
-        weighted = y.to(acc) * handle.row_weights.to(acc)[:, None]
-        padded = torch.cat([weighted, weighted.new_zeros(1, y.shape[1])])
-        rows = torch.where(handle.pair_row >= 0, handle.pair_row, y.shape[0])
-        return padded[rows].sum(1).to(y.dtype)
+        return unpermute(y, handle.topk_weights, handle.pair_row, handle.row_pair)
 
 
 def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None):
@@ -164,11 +177,25 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: x must be [B, S, {self.config.hidden}] or [T, {self.config.hidden}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, x.shape[-1])
         r = self.router(tokens, seq_len=x.shape[1] if x.dim() == 3 else None)
-        res = self.dispatcher.dispatch(tokens, r.topk_idx, r.topk_weights)
-        y = self.dispatcher.combine(self.experts(res.x, res.tokens_per_expert), res.handle)
+        if isinstance(self.dispatcher, LocalDispatcher):  # traceable by torch.compile
+            res = self.dispatcher.dispatch(tokens, r.topk_idx, r.topk_weights)
+            y = self.dispatcher.combine(self.experts(res.x, res.tokens_per_expert), res.handle)
+        else:
+            res = _eager_dispatch(self.dispatcher, tokens, r.topk_idx, r.topk_weights)
+            y = _eager_combine(self.dispatcher, self.experts(res.x, res.tokens_per_expert), res.handle)
         if self.shared is not None:
             y = y + self.shared(tokens)
         return y.view(x.shape), r.aux_loss
+
+
+@torch.compiler.disable
+def _eager_dispatch(dispatcher, x, topk_idx, topk_weights):
+    return dispatcher.dispatch(x, topk_idx, topk_weights)
+
+
+@torch.compiler.disable
+def _eager_combine(dispatcher, y, handle):
+    return dispatcher.combine(y, handle)
 
 
 def shard_expert_state(state: dict, ep_rank: int, ep_size: int, num_experts: int) -> dict:

@@ -5,21 +5,24 @@ how tokens reach experts (one process, or expert parallel over tilecomm/NCCL) is
 
     tokens [B, S] int64 -> logits [B, S, V], aux_loss (sum of the MoE layers' router losses)
 
-Context parallelism (`cp_group`): each of the C ranks of the group holds S/C consecutive positions
-of every sequence (rank c: positions c*S/C ...); attention all-gathers K and V inside the group
-(autograd-aware: the backward sums their gradients over the group) and masks causally by global position.
+Parallelism is applied afterwards by `tilecomm.moe.parallelize` (moe/parallelize.py): context
+parallelism (each of the C ranks of a group holds S/C consecutive positions of every sequence;
+attention all-gathers K and V inside the group, autograd-aware, and masks causally by global
+position) and tensor parallelism with sequence parallelism (tensor_parallel.py: attention heads and
+the dense MLP's width split over T ranks; between blocks each rank holds its 1/T slice of the
+flattened (B, S) tokens as x [N, H], N = B*S/T, and the model returns logits [N, V] for that slice).
+MoE layers then get the rank's slice: as [N/S, S, H] when it holds whole sequences (T divides B),
+else as [N, H]. Their aux losses are computed per slice: the z-loss (a token mean) and the
+sequence-level aux loss (a mean over sequences, whole sequences per rank) averaged over the TP ranks
+equal the T = 1 values; the Switch aux loss (E * sum_e f_e * P_e, a product of two token means)
+does not: per slice it balances each rank's tokens (Megatron all-reduces f_e over TP instead). The
+sequence-level aux loss needs T to divide B (else the router raises: it gets no seq_len).
 
-Tensor parallelism with sequence parallelism (`tp_group` of T > 1 ranks, see tensor_parallel.py):
-attention heads and the dense MLP's width are split over the T ranks; between blocks each rank holds
-its 1/T slice of the flattened (B, S) tokens as x [N, H], N = B*S/T, and the model returns logits
-[N, V] for that slice (`sequence_shard` of the flattened targets matches them). MoE layers get the
-rank's slice: as [N/S, S, H] when it holds whole sequences (T divides B), else as [N, H]. Their aux
-losses are therefore computed per slice: the z-loss (a token mean) and the sequence-level aux loss
-(a mean over sequences, whole sequences per rank) averaged over the TP ranks equal the T = 1 values;
-the Switch aux loss (E * sum_e f_e * P_e, a product of two token means) does not: per slice it
-balances each rank's tokens (Megatron all-reduces f_e over TP instead). The sequence-level aux loss
-needs T to divide B (else the router raises: it gets no seq_len). With tp_group None or of size 1
-the model is the plain one (same parameters, names and shapes).
+Precision: the model computes in its parameters' dtype (the Trainer casts them to bf16 on GPUs and
+keeps fp32 masters in the optimizer; see moe/optim.py); norms, RoPE, the loss and the router work
+in fp32 inside. The memory-bound steps are fused ops (moe/ops/: RMSNorm, RoPE on the fused qkv,
+SwiGLU, LM head + cross-entropy in row chunks): Triton kernels on GPUs, the torch reference
+elsewhere and under torch.compile (`compile_blocks`).
 """
 from __future__ import annotations
 
@@ -33,7 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .tensor_parallel import apply_tensor_parallel, sequence_shard, tp_rank_and_size
+from .ops.cross_entropy import linear_cross_entropy
+from .ops.rms_norm import rms_norm
+from .ops.rope import rope_qkv
+from .ops.swiglu import swiglu
+from .tensor_parallel import sequence_shard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,20 +71,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float):
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # (S, D/2)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x, cos, sin):
-    """x (B, nh, S, D): rotate pairs (x[2i], x[2i+1]) by position-dependent angles."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[: x.shape[2]].to(x.dtype), sin[: x.shape[2]].to(x.dtype)
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -104,12 +104,12 @@ def _gather_sequence(t, group):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cp_group=None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.nh, self.hd = cfg.num_heads, cfg.hidden // cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.cp_group = cp_group
+        self.cp_group = None  # set by parallelize(cp_group=...)
 
     def forward(self, x, cos, sin, offset: int = 0, seq_shape=None):
         """x (B, S, H) -> (B, S, H); tensor parallel: x [N, H] (this rank's tokens, seq_shape = (B, S))
@@ -117,8 +117,7 @@ class Attention(nn.Module):
         B, S = seq_shape or x.shape[:2]
         qkv = self.qkv(x)  # (B, S, 3H), or [B*S, 3H/T] under TP
         nh = qkv.shape[-1] // (3 * self.hd)  # heads on this rank
-        q, k, v = qkv.view(B, S, 3, nh, self.hd).permute(2, 0, 3, 1, 4)  # each (B, nh, S, D)
-        q, k = apply_rope(q, cos[offset:], sin[offset:]), apply_rope(k, cos[offset:], sin[offset:])
+        q, k, v = rope_qkv(qkv.view(B, S, 3, nh, self.hd), cos, sin, offset)  # each (B, nh, S, D)
         if self.cp_group is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -141,15 +140,14 @@ class DenseMLP(nn.Module):
         self.down = nn.Linear(ffn_hidden, hidden, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up), x.new_zeros(())
+        return self.down(swiglu(self.gate_up(x))), x.new_zeros(())
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module, cp_group=None):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(cfg.hidden), RMSNorm(cfg.hidden)
-        self.attn, self.mlp = Attention(cfg, cp_group), mlp
+        self.attn, self.mlp = Attention(cfg), mlp
 
     def forward(self, x, cos, sin, offset: int = 0, seq_shape=None):
         """x (B, S, H); tensor parallel: x [N, H], this rank's tokens of seq_shape = (B, S)."""
@@ -164,24 +162,17 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """moe_layer(i) -> a module mapping x (B, S, H) (or [N, H], see the module docstring) to (y, aux_loss),
-    for layers i >= num_dense_layers. cp_group: context-parallel group; tokens are then this rank's
-    chunk. tp_group: tensor-parallel group (sequence parallel); every rank of it gets the same tokens."""
+    for layers i >= num_dense_layers. Built for one rank; `parallelize` splits it afterwards."""
 
-    def __init__(self, cfg: ModelConfig, moe_layer: Optional[Callable[[int], nn.Module]] = None, cp_group=None,
-                 tp_group=None):
+    def __init__(self, cfg: ModelConfig, moe_layer: Optional[Callable[[int], nn.Module]] = None):
         super().__init__()
         self.cfg = cfg
-        self.cp_group = cp_group
-        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
-        if self.tp_size > 1:
-            for name, value in (("num_heads", cfg.num_heads), ("ffn_hidden", cfg.ffn_hidden)):
-                if value % self.tp_size:
-                    raise ValueError(f"Transformer: ModelConfig.{name}={value} must divide by the tensor-parallel "
-                                     f"size {self.tp_size} (tp_group)")
+        self.cp_group = self.tp_group = None  # set by parallelize
+        self.tp_rank, self.tp_size = 0, 1
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         mlps = [DenseMLP(cfg.hidden, cfg.ffn_hidden) if i < cfg.num_dense_layers or moe_layer is None else moe_layer(i)
                 for i in range(cfg.num_layers)]
-        self.blocks = nn.ModuleList(Block(cfg, m, cp_group) for m in mlps)
+        self.blocks = nn.ModuleList(Block(cfg, m) for m in mlps)
         self.norm = RMSNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.hidden // cfg.num_heads, cfg.rope_theta)
@@ -191,17 +182,15 @@ class Transformer(nn.Module):
             if p.dim() >= 2 and "experts" not in name:
                 std = 0.02 / math.sqrt(2 * cfg.num_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
                 nn.init.normal_(p, std=std)
-        self.tp_group = tp_group if self.tp_size > 1 else None
-        if self.tp_group is not None:  # after init: the shards are cut from the weights a T = 1 model gets
-            apply_tensor_parallel(self.blocks, cfg.num_heads, cfg.hidden // cfg.num_heads, tp_group)
 
     def sequence_shard(self, t: torch.Tensor, name: str = "tokens") -> torch.Tensor:
         """This rank's rows of t [B*S, ...] under tensor parallelism (t itself without it)."""
         return t if self.tp_group is None else sequence_shard(t, self.tp_rank, self.tp_size, name)
 
-    def forward(self, tokens):
+    def forward(self, tokens, targets=None):
         """tokens [B, S] int64 -> (logits, aux_loss); logits [B, S, V], or [B*S/T, V] for this rank's
-        token slice under tensor parallelism."""
+        token slice under tensor parallelism. With targets ([B*S] int64, or this rank's [B*S/T] slice
+        under TP): (mean cross-entropy over this rank's tokens, aux_loss), the logits never materialised."""
         offset, total = 0, tokens.shape[1]
         if self.cp_group is not None:
             offset = dist.get_rank(self.cp_group) * tokens.shape[1]
@@ -214,11 +203,31 @@ class Transformer(nn.Module):
         else:
             seq_shape = tuple(tokens.shape)
             x = self.embed(self.sequence_shard(tokens.reshape(-1)))  # [N, H]
-        aux = x.new_zeros((), dtype=torch.float32)
+        aux = torch.zeros((), dtype=torch.float32, device=x.device)
         for block in self.blocks:
             if self.cfg.recompute and self.training:
                 x, a = checkpoint(block, x, self.cos, self.sin, offset, seq_shape, use_reentrant=False)
             else:
                 x, a = block(x, self.cos, self.sin, offset, seq_shape)
             aux = aux + a.float()
-        return self.head(self.norm(x)), aux
+        h = self.norm(x)
+        if targets is None:
+            return self.head(h), aux
+        h = h.reshape(-1, h.shape[-1])
+        if targets.shape != (h.shape[0],):
+            raise ValueError(f"Transformer: targets must be [{h.shape[0]}] (this rank's tokens, flattened), got "
+                             f"{tuple(targets.shape)}")
+        return linear_cross_entropy(h, self.head.weight, targets), aux
+
+
+def compile_blocks(model: Transformer, **options) -> Transformer:
+    """torch.compile each block in place (state-dict names unchanged); repeated blocks share one
+    compiled graph. Dispatchers other than the local one stay outside the graphs (moe/layer.py)."""
+    from .experts import GroupedSwiGLUExperts
+
+    for m in model.modules():  # decide grouped vs loop GEMMs eagerly, before tracing
+        if isinstance(m, GroupedSwiGLUExperts):
+            m.use_grouped()
+    for block in model.blocks:
+        block.compile(**options)
+    return model

@@ -75,6 +75,14 @@ class RouterOutput:
     logits: Optional[torch.Tensor] = None  # [T, E] float32
 
 
+def count_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 pairs per expert (-1 ignored), without a host sync (unlike torch.bincount on CUDA)."""
+    idx = topk_idx.reshape(-1)
+    idx = torch.where(idx >= 0, idx, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
+    return counts.scatter_add_(0, idx, torch.ones_like(idx))[:num_experts]
+
+
 def group_limited_topk(sel: torch.Tensor, k: int, num_groups: int, group_topk: int) -> torch.Tensor:
     """sel [T, E] selection scores -> [T, k] expert ids, chosen only inside the group_topk groups
     with the largest sum of their top-2 scores (ties: lower index first, as torch.topk)."""
@@ -107,7 +115,10 @@ def capacity_mask(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_expert
 
 class Router(nn.Module):
     """Linear gate [E, H] (fp32) + the routing of RouterConfig. Buffers: expert_bias [E] (when enabled)
-    and tokens_since_update [E] (kept-pair counts accumulated by training forwards)."""
+    and tokens_since_update [E] (kept-pair counts accumulated by training forwards). The gate stays
+    fp32 when a model is cast to a lower compute dtype (keep_fp32_params, see moe/optim.py)."""
+
+    keep_fp32_params = True
 
     def __init__(self, config: RouterConfig, hidden: int, device=None, generator: Optional[torch.Generator] = None,
                  init_std: float = 0.02):
@@ -140,13 +151,13 @@ class Router(nn.Module):
         if not c.pre_softmax:
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
         w = w * c.scaling_factor
-        selected = torch.bincount(idx.flatten(), minlength=E) if T else torch.zeros(E, dtype=torch.long, device=x.device)
+        selected = count_per_expert(idx, E)
         aux = self._losses(logits, s, idx, selected, T, seq_len)
         if c.capacity_factor is not None and T:
             keep = capacity_mask(idx, w, E, math.ceil(c.capacity_factor * T * K / E), c.drop_policy)
             idx = torch.where(keep, idx, -1)
             w = torch.where(keep, w, 0.0)
-            counts = torch.bincount(idx[keep], minlength=E)
+            counts = count_per_expert(idx, E)
         else:
             counts = selected
         if self.training:

@@ -13,7 +13,7 @@ import torch
 import tilecomm
 from _reference import MODEL, ConcatRanks as _Concat
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TrainConfig, Trainer,
-                          Transformer)
+                          Transformer, parallelize)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,14 +27,15 @@ def _model(world: int, dispatcher: str):
 
 def _train_cfg(out_dir, steps, resume=False):
     return TrainConfig(steps=steps, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=2, out_dir=out_dir, resume=resume,
-                       progress=False, peak_flops=None)
+                       progress=False, peak_flops=None, precision="fp32")
 
 
 def ep_train(out_dir, steps, dispatcher, stop_at=None, resume=False):
     world, rank = tilecomm.world_size(), tilecomm.rank()
     groups = ParallelLayout(world, ep=world).create_groups()
     trainer = Trainer(_model(world, dispatcher), MarkovSource(vocab=32, seed=3), _train_cfg(out_dir, steps, resume),
-                      dp_group=groups.dp, edp_group=groups.edp, ep_group=groups.ep, dp_rank=rank, ep_rank=rank)
+                      groups=groups)
+    assert (trainer.dp_rank, trainer.ep_rank) == (rank, rank)
     return [r["loss"] for r in trainer.train(stop_at=stop_at)]
 
 
@@ -120,7 +121,7 @@ def cp_attention_body(seed):
     torch.manual_seed(seed)
     full = Transformer(cfg)
     torch.manual_seed(seed)
-    cp = Transformer(cfg, cp_group=dist.group.WORLD)
+    cp = parallelize(Transformer(cfg), cp_group=dist.group.WORLD)
     tokens = MarkovSource(vocab=32, seed=seed).batch(0, 0, 2, 16)[:, :16]
     chunk = 16 // world
     mine = tokens[:, rank * chunk:(rank + 1) * chunk]
@@ -148,9 +149,9 @@ def cp_train(out_dir, steps):
     torch.manual_seed(0)
     moe = MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, topk=2, router=dict(aux_loss_coeff=0.0), seed=1,
                     max_tokens_per_rank=64, experts_impl="loop")
-    model = Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, dispatcher="tilecomm"), cp_group=groups.cp)
-    trainer = Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg(out_dir, steps), dp_group=groups.dp_cp,
-                      edp_group=groups.edp, ep_group=groups.ep, cp_group=groups.cp, dp_rank=0, ep_rank=rank)
+    model = parallelize(Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, dispatcher="tilecomm")),
+                        cp_group=groups.cp)
+    trainer = Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg(out_dir, steps), groups=groups)
     return [r["loss"] for r in trainer.train()]
 
 

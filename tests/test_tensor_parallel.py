@@ -14,7 +14,7 @@ import torch.distributed as dist
 import tilecomm
 from _reference import MODEL, ConcatRanks as _Concat, dev
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TrainConfig, Trainer,
-                          Transformer, make_dispatcher)
+                          Transformer, make_dispatcher, parallelize)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def _model(dispatcher="local", router=None, **groups):
     moe = _moe(router)
     make = dispatcher if callable(dispatcher) else (lambda: dispatcher)
     torch.manual_seed(0)
-    return Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, dispatcher=make()), **groups)
+    return parallelize(Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, dispatcher=make())), **groups)
 
 
 def _shard_of_full(name: str, full_grad: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
@@ -88,6 +88,9 @@ def tp_model_body(tp, cp, router):
     sharded = {n for n, p in par.named_parameters() if getattr(p, "tensor_parallel", False)}
     assert sharded == {f"blocks.{i}.attn.{w}.weight" for i in range(2) for w in ("qkv", "proj")} | {
         "blocks.0.mlp.gate_up.weight", "blocks.0.mlp.down.weight"}
+    roles = par.param_roles  # recorded by parallelize from the modules holding the parameters
+    assert {n for n, r in roles.items() if r == "tensor_parallel"} == sharded
+    assert {n for n, r in roles.items() if r == "expert"} == {"blocks.1.mlp.experts.w_gate_up", "blocks.1.mlp.experts.w_down"}
 
 
 @pytest.mark.parametrize("tp,cp,router", [
@@ -106,7 +109,7 @@ def test_tp1_model_is_the_plain_model():
 
 def _train_cfg(out_dir, steps, resume=False, batch_size=2):
     return TrainConfig(steps=steps, batch_size=batch_size, seq_len=16, lr=3e-3, warmup_steps=2, out_dir=out_dir,
-                       resume=resume, progress=False, peak_flops=None)
+                       resume=resume, progress=False, peak_flops=None, precision="fp32")
 
 
 def tp_train(out_dir, steps, tp, ep, dispatcher, stop_at=None, resume=False):
@@ -116,9 +119,7 @@ def tp_train(out_dir, steps, tp, ep, dispatcher, stop_at=None, resume=False):
         return make_dispatcher(_moe(), "nccl", group=groups.ep)
 
     model = _model(over_ep_group if dispatcher == "nccl" else dispatcher, tp_group=groups.tp)
-    trainer = Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg(out_dir, steps, resume),
-                      dp_group=groups.dp_cp, edp_group=groups.edp, ep_group=groups.ep, tp_group=groups.tp,
-                      dp_rank=groups.ranks["dp"].index(rank), ep_rank=groups.ranks["ep"].index(rank))
+    trainer = Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg(out_dir, steps, resume), groups=groups)
     return [(r["loss"], r["grad_norm"]) for r in trainer.train(stop_at=stop_at)]
 
 
@@ -150,20 +151,23 @@ def test_tp_checkpoint_resume_and_refusal(ranks, tmp_path):
 def bad_tp_setups():
     tp = dist.group.WORLD  # (errors come before any tensor meets a device)
     with pytest.raises(ValueError, match="num_heads"):
-        Transformer(ModelConfig(**{**MODEL, "num_heads": 1}), tp_group=tp)
+        parallelize(Transformer(ModelConfig(**{**MODEL, "num_heads": 1})), tp_group=tp)
     with pytest.raises(ValueError, match="ffn_hidden"):
-        Transformer(ModelConfig(**{**MODEL, "ffn_hidden": 33}), tp_group=tp)
+        parallelize(Transformer(ModelConfig(**{**MODEL, "ffn_hidden": 33})), tp_group=tp)
     model = _model(tp_group=tp)
     with pytest.raises(ValueError, match="tensor-parallel size"):
         model(torch.zeros(1, 3, dtype=torch.long))  # 3 tokens over 2 ranks
+    tp2, tp1 = ParallelLayout(2, tp=2).create_groups(), ParallelLayout(2).create_groups()
     with pytest.raises(ValueError, match="tensor-parallel size"):
-        Trainer(model, MarkovSource(vocab=32, seed=3), TrainConfig(steps=1, batch_size=1, seq_len=3), tp_group=tp)
-    with pytest.raises(ValueError, match="dp_group shares"):
-        Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg("unused", 1), tp_group=tp, dp_group=tp)
+        Trainer(model, MarkovSource(vocab=32, seed=3), TrainConfig(steps=1, batch_size=1, seq_len=3), groups=tp2)
     with pytest.raises(ValueError, match="model was built"):
-        Trainer(_model(), MarkovSource(vocab=32, seed=3), _train_cfg("unused", 1), tp_group=tp)
+        Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg("unused", 1), groups=tp1)
+    with pytest.raises(ValueError, match="model was built"):
+        Trainer(_model(), MarkovSource(vocab=32, seed=3), _train_cfg("unused", 1), groups=tp2)
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize(model, tp_group=tp)
     with pytest.raises(ValueError, match="group"):
-        Transformer(ModelConfig(**MODEL), tp_group="tp")
+        parallelize(Transformer(ModelConfig(**MODEL)), tp_group="tp")
 
 
 def test_bad_tp_setups(ranks):
@@ -182,7 +186,9 @@ def test_pretrain_example_with_tp(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0] and rows[0]["loss"] > 0
-    assert json.loads((out / "checkpoint" / "tilecomm_config.json").read_text())["tensor_parallel"] == 2
+    from tilecomm.moe.checkpoint import latest
+    saved = os.path.join(latest(str(out / "checkpoint")), "tilecomm_config.json")
+    assert json.loads(open(saved).read())["tensor_parallel"] == 2
 
 
 @pytest.mark.parametrize("flags,message", [(["--tp", "3"], "must divide the world size"),
