@@ -12,6 +12,10 @@ class ErrorRecord:
     def __init__(self, words: torch.Tensor):
         self.error = words
         self.error.zero_()
+        self._code = words.numpy()  # the same memory: a host read of word 0 costs no torch call
+
+    def has_error(self) -> bool:
+        return bool(self._code[0])
 
     heap = None  # the backend's SymmetricHeap, to say where a timed-out signal word lies
 
@@ -28,6 +32,8 @@ class ErrorRecord:
         from .errors import PeerMismatchError, WaitTimeoutError
         from .language._constants import CMP_NAMES
 
+        if not self._code[0]:
+            return
         err = self.take_error()
         if err is None:
             return

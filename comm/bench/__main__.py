@@ -26,7 +26,8 @@ _DEFAULTS = {"rows": ("4096,128", "64"), "hidden": (7168, 128), "shape": ("8192x
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tilecomm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("op", choices=OPS + ("dispatch",) + overlap_bench.OPS)
+    p.add_argument("op", choices=OPS + ("dispatch",) + overlap_bench.OPS + ("self",),
+                   help="self: every op at world size 1 on this GPU beside a copy floor (bench/world1.py)")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: cuda when torch sees a GPU, else cpu (gloo baseline, timings not meaningful)")
     p.add_argument("--world-size", type=int, default=None,
@@ -125,6 +126,11 @@ def main(argv=None) -> int:
         backend = "cuda" if torch.cuda.is_available() else "cpu"
     if backend == "cuda" and not torch.cuda.is_available():
         p.error("--backend cuda: torch sees no GPU; use --backend cpu")
+    if args.op == "self":
+        from . import world1
+
+        world1.run(backend, args.json_path, args.iters or (50 if backend == "cuda" else 2))
+        return 0
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:
         world = int(os.environ["WORLD_SIZE"])

@@ -105,13 +105,21 @@ def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base):
     return offset, tl.minimum(offered, expected), in_place
 
 
-@jit(do_not_specialize=["in_heap_off", "n_even", "P"])
-def _pairs_kernel(in_ptr, out_ptr, heap_ptr, ring_ptr, meta_ptr, ready_ptr, done_ptr, epoch_ptr, table_ptr, err_ptr,
-                  in_heap_off, n_even, P, EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr,
+@jit
+def _words(words_ptr, P):
+    """The state's int64 words (CollectiveState): meta [S, 4], ready [S], done [S], epochs [S]; S = W * P."""
+    S = tcl.num_ranks() * P
+    return words_ptr, words_ptr + 4 * S, words_ptr + 5 * S, words_ptr + 6 * S
+
+
+@jit(do_not_specialize=["ring_off", "in_heap_off", "n_even", "P"])
+def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring_off, in_heap_off, n_even, P,
+                  EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr,
                   CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
     the input). Offsets and counts in elements; with EVEN every pair moves n_even elements, else
     table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ... received from p."""
+    meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
     pid = tl.program_id(0)
     k = pid // P
     q = pid % P
@@ -138,21 +146,20 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, ring_ptr, meta_ptr, ready_ptr, done
     # interleave my sends to dst with my receives from src, chunk by chunk
     n_send = _chunks_of(s_cnt, q, P, CHUNK) * (1 - IN_PLACE)
     n_recv = _chunks_of(cnt, q, P, CHUNK)
-    slot0 = pid * DEPTH * CHUNK
+    slot0 = ring_off + pid * DEPTH * CHUNK
     peer_heap = _peer_delta(heap_ptr, src)
-    peer_ring = _peer_delta(ring_ptr, src)
     for i in range(0, tl.maximum(n_send, n_recv)):
         c = (q + i * P).to(tl.int64) * CHUNK
         slot = slot0 + (i % DEPTH) * CHUNK
         if i < n_send:
             if i >= DEPTH:  # the reader must be done with what this ring slot held
                 tcl.wait(done_ptr + pid, base + i - DEPTH + 1, tcl.CMP_GE)
-            _copy(ring_ptr, slot, in_ptr, s_off + c, tl.minimum(CHUNK, s_cnt - c), BLOCK, VEC)
+            _copy(heap_ptr, slot, in_ptr, s_off + c, tl.minimum(CHUNK, s_cnt - c), BLOCK, VEC)
             tcl.signal(ready_ptr + pid, base + i + 1, dst, tcl.SIGNAL_SET)
         if i < n_recv:
             if remote_in_place == 0:
                 tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
-                _copy(out_ptr, r_off + c, ring_ptr, peer_ring + slot,
+                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + slot,
                       tl.minimum(CHUNK, cnt - c), BLOCK, VEC)
                 tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:
@@ -176,13 +183,43 @@ def _combine(acc, x, OP: tl.constexpr):
     return acc
 
 
-@jit(do_not_specialize=["in_heap_off", "n", "P"])
-def _reduce_kernel(in_ptr, out_ptr, heap_ptr, ring_ptr, meta_ptr, ready_ptr, done_ptr, epoch_ptr, err_ptr,
-                   in_heap_off, n, P, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr,
+@jit
+def _reduce_span(out_ptr, heap_ptr, meta_ptr, ring_off, me, W, P, q, c, ring_slot, s, length, MASKED: tl.constexpr,
+                 OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr,
+                 BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """out[c + s : c + s + BLOCK] = op over writers p (rank order) of their chunk's elements there."""
+    offs = s + tl.arange(0, BLOCK)
+    mask = offs < length
+    acc = tl.zeros((BLOCK,), ACC)
+    for p in range(0, W):
+        slot = ((me + W - p) % W) * P + q
+        remote = tcl.symm_at(meta_ptr, p) + 4 * slot
+        if tl.load(remote + 2, cache_modifier=".cg") == 0:  # staged: chunk i is in p's ring
+            src_off = ring_off + slot * DEPTH * CHUNK + ring_slot
+        else:
+            src_off = tl.load(remote, cache_modifier=".cg") + c
+        src = heap_ptr + (_peer_delta(heap_ptr, p) + src_off) // VEC * VEC
+        if MASKED:
+            x = tl.load(src + offs, mask=mask, cache_modifier=".cg").to(ACC)
+        else:
+            x = tl.load(src + offs, cache_modifier=".cg").to(ACC)
+        acc = tl.where(p == 0, x, _combine(acc, x, OP))
+    if AVG:
+        acc = acc / W
+    dst = out_ptr + c // VEC * VEC
+    if MASKED:
+        tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty))
+
+
+@jit(do_not_specialize=["ring_off", "in_heap_off", "n", "P"])
+def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr,
                    IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                    VEC: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the pair slots k * P + q of every k."""
+    meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
     q = tl.program_id(0)
     me = tcl.rank()
     W = tcl.num_ranks()
@@ -205,29 +242,20 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, ring_ptr, meta_ptr, ready_ptr, don
                 slot = k * P + q
                 if i >= DEPTH:
                     tcl.wait(done_ptr + slot, base + i - DEPTH + 1, tcl.CMP_GE)
-                _copy(ring_ptr, slot * DEPTH * CHUNK + ring_slot, in_ptr, ((me + k) % W).to(tl.int64) * n64 + c,
+                _copy(heap_ptr, ring_off + slot * DEPTH * CHUNK + ring_slot, in_ptr, ((me + k) % W).to(tl.int64) * n64 + c,
                       length, BLOCK, VEC)
                 tcl.signal(ready_ptr + slot, base + i + 1, (me + k) % W, tcl.SIGNAL_SET)
         for p in range(0, W):  # staged writers: their chunk i is in their ring
             slot = ((me + W - p) % W) * P + q
             if tl.load(tcl.symm_at(meta_ptr, p) + 4 * slot + 2, cache_modifier=".cg") == 0:
                 tcl.wait(ready_ptr + slot, base + i + 1, tcl.CMP_GE)
-        for s in range(0, length, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            mask = offs < length
-            acc = tl.zeros((BLOCK,), ACC)
-            for p in range(0, W):
-                slot = ((me + W - p) % W) * P + q
-                remote = tcl.symm_at(meta_ptr, p) + 4 * slot
-                if tl.load(remote + 2, cache_modifier=".cg") == 0:
-                    src = ring_ptr + _peer_delta(ring_ptr, p) + slot * DEPTH * CHUNK + ring_slot
-                else:
-                    src = heap_ptr + _peer_delta(heap_ptr, p) + tl.load(remote, cache_modifier=".cg") + c
-                x = tl.load(src + offs, mask=mask, cache_modifier=".cg").to(ACC)
-                acc = tl.where(p == 0, x, _combine(acc, x, OP))
-            if AVG:
-                acc = acc / W
-            tl.store(out_ptr + c + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        full = length // BLOCK * BLOCK
+        for s in range(0, full, BLOCK):  # whole blocks unmasked (16-byte vectors), then the tail
+            _reduce_span(out_ptr, heap_ptr, meta_ptr, ring_off, me, W, P, q, c, ring_slot, tl.multiple_of(s, BLOCK),
+                         length, False, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
+        if full < length:
+            _reduce_span(out_ptr, heap_ptr, meta_ptr, ring_off, me, W, P, q, c, ring_slot, full, length, True,
+                         OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
         for p in range(0, W):
             slot = ((me + W - p) % W) * P + q
             if tl.load(tcl.symm_at(meta_ptr, p) + 4 * slot + 2, cache_modifier=".cg") == 0:

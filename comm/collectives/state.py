@@ -5,9 +5,9 @@ Sized once, from the world size and the GPU's SM count (or 1 program per peer on
     programs_per_peer  P: each call runs W * P programs (all_to_all, all_gather) or P (reduce_scatter)
     chunk_bytes        bytes a program moves per step (one ring slot)
     ring               uint8 [W * P * DEPTH * chunk_bytes] on the symmetric heap: the staging ring
-    meta               int64 [W * P, 4] on the heap: each pair slot's header (offset, count, in place)
-    ready, done        int64 [W * P] signal words on the heap
-    epochs             int64 [W * P] device words: the call count of each slot (bumped by the kernels)
+    words              int64 [7 * W * P] on the heap: meta [W * P, 4] (each pair slot's header: offset,
+                       count, in place), then the ready and done signal words and the epochs (each slot's
+                       call count, bumped by the kernels) [W * P] each
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done
 
@@ -52,10 +52,7 @@ class CollectiveState:
     programs_per_peer: int
     chunk_bytes: int
     ring: torch.Tensor
-    meta: torch.Tensor
-    ready: torch.Tensor
-    done: torch.Tensor
-    epochs: torch.Tensor
+    words: torch.Tensor
     tables: torch.Tensor
     num_warps: int
     _table_views: List[torch.Tensor] = field(default_factory=list)
@@ -65,15 +62,17 @@ class CollectiveState:
     _last_table: int = 0
 
     @classmethod
-    def create(cls, ctx, workspace_bytes: int) -> "CollectiveState":
+    def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = 2, chunk_bytes: Optional[int] = None,
+               block_bytes: int = _BLOCK_BYTES) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes: the tuning knobs (GPU; the benchmark sweeps them)."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
         if on_gpu:
             sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-            P = max(1, 2 * sms // W)  # at most two programs per SM: the grid is co-resident
-            chunk = _GPU_CHUNK_BYTES
+            P = max(1, programs_per_sm * sms // W)  # a few programs per SM at most: the grid is co-resident
+            chunk = chunk_bytes or _GPU_CHUNK_BYTES
         else:
-            P, chunk = 1, _CPU_CHUNK_BYTES
+            P, chunk = 1, chunk_bytes or _CPU_CHUNK_BYTES
         chunk = min(chunk, (workspace_bytes // (W * P * DEPTH)) // 4096 * 4096)
         require(chunk >= 4096, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
                 f"collectives need at least {W * P * DEPTH * 4096} bytes ({W * P} programs × {DEPTH} ring slots × 4 KiB)",
@@ -87,13 +86,16 @@ class CollectiveState:
             return heap.view(heap.local, heap.alloc(nbytes), shape, dtype)
 
         ring = heap_tensor((slots * DEPTH * chunk,), torch.uint8)
-        meta = heap_tensor((slots, 4), torch.int64)
-        words = heap_tensor((2 * slots,), torch.int64)
+        words = heap_tensor((7 * slots,), torch.int64)
         words.zero_()
-        meta.zero_()
-        epochs = torch.zeros(slots, dtype=torch.int64, device=ctx.device)
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
-        state = cls(ctx, P, chunk, ring, meta, words[:slots], words[slots:], epochs, tables, 8 if on_gpu else 1)
+        state = cls(ctx, P, chunk, ring, words, tables, 8 if on_gpu else 1)
+        state.block_bytes = block_bytes
+        state._heap_views = {}  # the heap as each element type the kernels move (views made once here)
+        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                      torch.float32, torch.float64):
+            state._heap_views[dtype] = heap.local.view(dtype)
+        state._ring_offset = heap.offset_of(ring)
         state._table_views = [tables[i] for i in range(TABLE_SLOTS)]
         state._table_events = [None] * TABLE_SLOTS
         state._tables_np = tables.numpy()
@@ -102,10 +104,11 @@ class CollectiveState:
     def free(self) -> None:
         """Return the heap space (finalize does it; the state is unusable afterwards)."""
         heap = self.ctx.heap
-        for t in (self.ring, self.meta, self.ready):
+        for t in (self.ring, self.words):
             if heap.local is not None:
                 heap.release(heap.offset_of(t))
-        self.ring = self.meta = self.ready = self.done = None
+        self.ring = self.words = None
+        self._heap_views = {}
 
     # -- helpers ----------------------------------------------------------------------------------
     def _table(self, send: Sequence[Tuple[int, int]], recv: Sequence[Tuple[int, int]]) -> torch.Tensor:
@@ -141,7 +144,7 @@ class CollectiveState:
 
     def _launch_config(self, elem: int, aligned: bool):
         chunk = self.chunk_bytes // elem
-        block = min(chunk, _BLOCK_BYTES // elem) if self.ctx.backend == "cuda" else chunk
+        block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
         return dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block, VEC=16 // elem if aligned else 1, num_warps=self.num_warps)
 
     # -- the collectives ----------------------------------------------------------------------------
@@ -160,13 +163,11 @@ class CollectiveState:
         in_heap_off, in_place = self._placement(src, [o * elem for o in send_offs])
         aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and \
             all(o * elem % 16 == 0 for o in itertools.chain(send_offs, recv_offs))
-        table = self.epochs if send is None else self._table(send, recv)
-        heap = self.ctx.heap.local.view(move)
-        ring = self.ring.view(move)
+        table = self.words if send is None else self._table(send, recv)
         kx._pairs_kernel[(self.ctx.world_size * self.programs_per_peer,)](
-            src, out, heap, ring, self.meta, self.ready, self.done, self.epochs, table, self.ctx.device_state.error,
-            in_heap_off, n_even, self.programs_per_peer, EVEN=send is None, GATHER=gather, IN_PLACE=in_place,
-            **self._launch_config(elem, aligned))
+            src, out, self._heap_views[move], self.words, table, self.ctx.device_state.error,
+            self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, EVEN=send is None, GATHER=gather,
+            IN_PLACE=in_place, **self._launch_config(elem, aligned))
         if send is not None:
             self._after_launch()
         self._raise_mismatch_now()
@@ -177,11 +178,9 @@ class CollectiveState:
         elem = src.element_size()
         in_heap_off, in_place = self._placement(src, [p * n * elem for p in range(self.ctx.world_size)])
         aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and n * elem % 16 == 0
-        heap = self.ctx.heap.local.view(src.dtype)
-        ring = self.ring.view(src.dtype)
         kx._reduce_kernel[(self.programs_per_peer,)](
-            src, out, heap, ring, self.meta, self.ready, self.done, self.epochs, self.ctx.device_state.error,
-            in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype), AVG=average,
+            src, out, self._heap_views[src.dtype], self.words, self.ctx.device_state.error,
+            self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype), AVG=average,
             IN_PLACE=in_place, **self._launch_config(elem, aligned))
         self._raise_mismatch_now()
 

@@ -65,11 +65,20 @@ def set_state_address(addr: int) -> None:
     STATE_ADDR = tl.constexpr(addr)
 
 
+_LIBS: dict = {}
+
+
 def prepare_launch(kwargs: dict) -> dict:
-    kwargs = dict(kwargs)
-    libs = dict(kwargs.get("extern_libs") or {})
-    libs.setdefault("libnvshmem_device", nvshmem_bitcode())
-    kwargs["extern_libs"] = libs
+    """Launch options of a tilecomm kernel: NVSHMEM's device library linked (found once per process)."""
+    if "extern_libs" in kwargs:
+        kwargs = dict(kwargs)
+        libs = dict(kwargs["extern_libs"] or {})
+        libs.setdefault("libnvshmem_device", nvshmem_bitcode())
+        kwargs["extern_libs"] = libs
+        return kwargs
+    if not _LIBS:
+        _LIBS["libnvshmem_device"] = nvshmem_bitcode()
+    kwargs["extern_libs"] = _LIBS
     return kwargs
 
 

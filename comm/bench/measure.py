@@ -1,0 +1,108 @@
+"""What the one-GPU benchmarks measure of a call, each beside a floor timed the same way in the same run.
+
+    per_call_us(fn)     N calls back to back, one synchronize at the end: wall time / N (launch and
+                        Python included; what a training step pays)
+    host_us(fn)         the same N calls without the final wait: host time per call
+    kernels_per_call(fn) GPU kernels and memcpys of one call and their device time (torch.profiler)
+    host_syncs(fn)      synchronising CUDA calls the host makes in one call
+                        (torch.cuda.set_sync_debug_mode("warn"), warnings counted)
+    graph_replays(fn, out) capture one call in a CUDA graph, replay it, True if the replay rewrote `out`
+                        with the eager result
+
+On CPU ranks every function still runs (kernels and syncs count 0), so the benchmark's code is
+exercised by the CPU tests; the numbers there are not performance figures.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+
+def _sync(on_gpu: bool) -> None:
+    if on_gpu:
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(on_gpu)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(on_gpu)
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def host_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(on_gpu)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    _sync(on_gpu)
+    return elapsed / iters * 1e6
+
+
+def kernels_per_call(fn: Callable[[], object], on_gpu: bool = True):
+    """(GPU kernels and memcpys of one call, their summed device time in µs)."""
+    if not on_gpu:
+        return 0, 0.0
+    fn()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(events), sum(e.device_time_total for e in events)
+
+
+def host_syncs(fn: Callable[[], object], on_gpu: bool = True) -> int:
+    if not on_gpu:
+        return 0
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def graph_replays(fn: Callable[[], object], out: torch.Tensor, on_gpu: bool = True) -> Optional[bool]:
+    """None on CPU; else whether a captured call, replayed, writes the eager result into out."""
+    if not on_gpu:
+        return None
+    fn()
+    torch.cuda.synchronize()
+    expect = out.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            fn()  # a warm-up on the capture stream, as torch recommends
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        out.fill_(0) if out.dtype != torch.bool else out.fill_(False)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = torch.equal(out, expect)
+        graph.replay()
+        torch.cuda.synchronize()
+        return ok and torch.equal(out, expect)
+    except Exception as err:  # report, don't abort the table
+        print(f"graph capture failed: {type(err).__name__}: {err}", flush=True)
+        return False

@@ -1,0 +1,220 @@
+"""`python -m tilecomm.bench self`: the data path on one GPU at world size 1, beside a copy floor.
+
+World size 1 runs the very kernels a multi-GPU run uses (the chunk a rank sends itself takes the
+peer path), with local memory in place of NVLink, so this measures everything but the link: launch
+count, host overhead, host syncs, the parallelism of the copy loops. Each row prints, from one run:
+
+    µs/call   N calls back to back, one synchronize: wall time / N (measure.per_call_us)
+    floor     torch.Tensor.copy_ of the same bytes timed the same way (dispatch and combine: a copy of
+              the output rows [R, H])
+    ratio     µs/call / floor
+    host µs   host time per call (measure.host_us); kernels: GPU kernels of one call; syncs: host
+              synchronisations of one call; graph: a CUDA-graph replay gives the eager result
+
+Rows: all_to_all_single 4096×7168 and 128×7168 bf16 (ordinary tensors, and 4096×7168 with input and
+output from tilecomm.empty), all_gather_into_tensor / reduce_scatter_tensor 8192×8192 bf16 (ordinary and
+tilecomm.empty), tcl.put / tcl.get from a grid of programs (64 MiB), normal-mode dispatch / combine
+(4096 tokens × 7168, top-8 of 256 experts) and low-latency dispatch / combine (128 tokens). On CPU
+(--backend cpu) every row runs at toy sizes: a smoke test, not a measurement.
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable, List, Optional
+
+import torch
+import triton.language as tl
+
+import tilecomm
+import tilecomm.language as tcl
+
+from . import measure
+
+_GPU = dict(rows=4096, small=128, hidden=7168, square=8192, tokens=4096, ll_tokens=128, experts=256, topk=8,
+            put_mib=64)
+_CPU = dict(rows=64, small=8, hidden=128, square=128, tokens=64, ll_tokens=8, experts=8, topk=2, put_mib=1)
+PUT_SLICE = 1 << 16  # elements per program in the put/get rows
+
+
+@tilecomm.jit
+def _put_grid_kernel(dst_ptr, src_ptr, SLICE: tl.constexpr):
+    me = tcl.rank()
+    start = tl.program_id(0).to(tl.int64) * SLICE
+    tcl.put(dst_ptr + start, src_ptr + start, SLICE, me)
+
+
+@tilecomm.jit
+def _get_grid_kernel(dst_ptr, src_ptr, SLICE: tl.constexpr):
+    me = tcl.rank()
+    start = tl.program_id(0).to(tl.int64) * SLICE
+    tcl.get(dst_ptr + start, src_ptr + start, SLICE, me)
+
+
+class Table:
+    def __init__(self, on_gpu: bool, iters: int):
+        self.on_gpu, self.iters, self.rows = on_gpu, iters, []
+
+    def add(self, name: str, fn: Callable[[], object], floor_fn: Callable[[], object],
+            out: Optional[torch.Tensor] = None, check_graph: bool = False, iters: Optional[int] = None) -> None:
+        n = iters or self.iters
+        g = self.on_gpu
+        us = measure.per_call_us(fn, n, on_gpu=g)
+        floor = measure.per_call_us(floor_fn, n, on_gpu=g)
+        kernels, gpu_us = measure.kernels_per_call(fn, g)
+        row = dict(op=name, us=us, floor_us=floor, ratio=us / floor, host_us=measure.host_us(fn, n, on_gpu=g),
+                   gpu_us=gpu_us, kernels=kernels, syncs=measure.host_syncs(fn, g),
+                   graph=measure.graph_replays(fn, out, g) if (check_graph and out is not None) else None)
+        self.rows.append(row)
+        print(f"{name:46s} {us:9.1f} {floor:9.1f} {row['ratio']:6.2f} {row['host_us']:7.1f} {gpu_us:8.1f} {kernels:4d} "
+              f"{row['syncs']:3d} {row['graph']!s:>5}", flush=True)
+
+
+def _collective_rows(t: Table, s: dict, dtype: torch.dtype, dev: torch.device) -> None:
+    def rand(shape, symmetric=False):
+        x = tilecomm.empty(shape, dtype) if symmetric else torch.empty(shape, dtype=dtype, device=dev)
+        return x.copy_(torch.randn(shape, device=dev).to(dtype))
+
+    H = s["hidden"]
+    for rows, symmetric in ((s["rows"], False), (s["rows"], True), (s["small"], False)):
+        x, out = rand((rows, H), symmetric), rand((rows, H), symmetric)
+        floor_out = torch.empty_like(x)
+        tilecomm.all_to_all_single(out, x)
+        assert torch.equal(out, x), "all_to_all_single at world 1 must return its input"
+        t.add(f"all_to_all_single {rows}x{H}{' symmetric' if symmetric else ''}", lambda: tilecomm.all_to_all_single(out, x),
+              lambda: floor_out.copy_(x), out, check_graph=True)
+        if symmetric:
+            tilecomm.free(out)
+            tilecomm.free(x)
+    S = s["square"]
+    for symmetric in (False, True):
+        x, out = rand((S, S), symmetric), rand((S, S), symmetric)
+        floor_out = torch.empty_like(x)
+        tag = " symmetric" if symmetric else ""
+        t.add(f"all_gather_into_tensor {S}x{S}{tag}", lambda: tilecomm.all_gather_into_tensor(out, x),
+              lambda: floor_out.copy_(x), out, check_graph=True)
+        t.add(f"reduce_scatter_tensor {S}x{S}{tag}", lambda: tilecomm.reduce_scatter_tensor(out, x),
+              lambda: floor_out.copy_(x), out, check_graph=True)
+        torch.testing.assert_close(out, x)
+        if symmetric:
+            tilecomm.free(out)
+            tilecomm.free(x)
+    n = s["put_mib"] * (1 << 20) // 4
+    n -= n % PUT_SLICE
+    src, dst = tilecomm.empty((n,), torch.float32), tilecomm.empty((n,), torch.float32)
+    src.copy_(torch.randn(n, device=dev))
+    floor_out = torch.empty_like(src)
+    grid = (n // PUT_SLICE,)
+    t.add(f"tcl.put grid of {grid[0]} programs, {n * 4 >> 20} MiB", lambda: _put_grid_kernel[grid](dst, src, SLICE=PUT_SLICE),
+          lambda: floor_out.copy_(src))
+    assert torch.equal(dst, src)
+    dst.zero_()
+    t.add(f"tcl.get grid of {grid[0]} programs, {n * 4 >> 20} MiB", lambda: _get_grid_kernel[grid](dst, src, SLICE=PUT_SLICE),
+          lambda: floor_out.copy_(src))
+    assert torch.equal(dst, src)
+    tilecomm.free(dst)
+    tilecomm.free(src)
+
+
+def _routing(tokens: int, experts: int, topk: int, dev: torch.device):
+    scores = torch.rand(tokens, experts, device=dev)
+    idx = scores.topk(topk, dim=1).indices
+    weights = torch.softmax(torch.randn(tokens, topk, device=dev), dim=1)
+    return idx, weights
+
+
+def _dispatch_rows(t: Table, s: dict, dtype: torch.dtype, dev: torch.device) -> None:
+    from tilecomm.dispatch import Dispatcher
+
+    H, E, K = s["hidden"], s["experts"], s["topk"]
+    for mode, T in (("normal", s["tokens"]), ("low_latency", s["ll_tokens"])):
+        d = Dispatcher(E, H, T, K, dtype, mode=mode)
+        x = torch.randn(T, H, device=dev).to(dtype)
+        idx, w = _routing(T, E, K, dev)
+        with torch.no_grad():
+            res = d.dispatch(x, idx, w)
+            rows = res.x.reshape(-1, H)
+            floor_src = torch.randn(T * K, H, device=dev).to(dtype)  # the output rows of one dispatch
+            floor_dst = torch.empty_like(floor_src)
+            graph = mode == "low_latency"
+            t.add(f"dispatch {mode} {T}x{H} top-{K} of {E}", lambda: d.dispatch(x, idx, w),
+                  lambda: floor_dst.copy_(floor_src), check_graph=False)
+            y = rows.view_as(res.x).clone()
+            t.add(f"combine {mode} {T}x{H} top-{K} of {E}", lambda: d.combine(y, res.handle),
+                  lambda: floor_dst.copy_(floor_src), check_graph=False)
+            if graph:
+                out = d.combine(y, res.handle)
+                ok = measure.graph_replays(lambda: out.copy_(d.combine(y, d.dispatch(x, idx, w).handle)), out, t.on_gpu)
+                print(f"low-latency dispatch+combine CUDA graph replay matches eager: {ok}", flush=True)
+        if hasattr(d, "free"):
+            d.free()
+
+
+def _host_profile(s: dict, dtype: torch.dtype, dev: torch.device) -> None:
+    """Where the host time of a small all_to_all_single goes (cProfile, top functions by own time)."""
+    import cProfile
+    import pstats
+
+    x = torch.randn(s["small"], s["hidden"], device=dev).to(dtype)
+    out = torch.empty_like(x)
+    for _ in range(5):
+        tilecomm.all_to_all_single(out, x)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        tilecomm.all_to_all_single(out, x)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+def _sweep(t: Table, s: dict, dtype: torch.dtype, dev: torch.device, configs) -> None:
+    """The same rows under other CollectiveState tunings (programs per SM, chunk and block bytes)."""
+    from tilecomm.collectives.state import CollectiveState
+
+    ctx = tilecomm.current()
+    default = ctx.collectives
+    H, S = s["hidden"], s["square"]
+    a, a_out = torch.randn(s["rows"], H, device=dev).to(dtype), torch.empty(s["rows"], H, device=dev, dtype=dtype)
+    g, g_out = torch.randn(S, S, device=dev).to(dtype), torch.empty(S, S, device=dev, dtype=dtype)
+    a_floor, g_floor = torch.empty_like(a), torch.empty_like(g)
+    for per_sm, chunk, block in configs:
+        ctx.collectives = CollectiveState.create(ctx, 1 << 30, per_sm, chunk, block)
+        tag = f"[{per_sm}/SM chunk {chunk >> 10}K block {block >> 10}K]"
+        try:
+            t.add(f"a2a {s['rows']}x{H} {tag}", lambda: tilecomm.all_to_all_single(a_out, a), lambda: a_floor.copy_(a))
+            t.add(f"all_gather {S}x{S} {tag}", lambda: tilecomm.all_gather_into_tensor(g_out, g),
+                  lambda: g_floor.copy_(g))
+            t.add(f"reduce_scatter {S}x{S} {tag}", lambda: tilecomm.reduce_scatter_tensor(g_out, g),
+                  lambda: g_floor.copy_(g))
+        finally:
+            ctx.collectives.free()
+            ctx.collectives = default
+
+
+def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
+    """Initialise a one-rank runtime with a heap large enough for the symmetric rows, print the table."""
+    tilecomm.init(backend=backend, heap_bytes=(3 << 29) if backend == "cuda" else (64 << 20))
+    ctx = tilecomm.current()
+    on_gpu = ctx.backend == "cuda"
+    s = _GPU if on_gpu else _CPU
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    torch.manual_seed(0)
+    print(f"world 1 on {torch.cuda.get_device_name() if on_gpu else 'CPU'}; µs per call back to back")
+    print(f"{'op':46s} {'µs/call':>9s} {'floor':>9s} {'ratio':>6s} {'host µs':>7s} {'GPU µs':>8s} {'krn':>4s} {'syn':>3s} "
+          f"{'graph':>5s}")
+    t = Table(on_gpu, iters)
+    _collective_rows(t, s, dtype, ctx.device)
+    if on_gpu:
+        _sweep(t, s, dtype, ctx.device, [(1, 64 << 10, 16 << 10), (2, 64 << 10, 32 << 10), (1, 128 << 10, 32 << 10),
+                                         (4, 32 << 10, 16 << 10), (2, 128 << 10, 32 << 10)])
+        _host_profile(s, dtype, ctx.device)
+    try:
+        _dispatch_rows(t, s, dtype, ctx.device)
+    except Exception as err:  # keep the collective rows of a run whose dispatch path failed
+        print(f"dispatch rows failed: {type(err).__name__}: {err}", flush=True)
+        t.rows.append(dict(op="dispatch", error=f"{type(err).__name__}: {err}"))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(t.rows, f, indent=1)
+    tilecomm.finalize()
+    return t.rows
+
