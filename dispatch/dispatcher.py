@@ -4,29 +4,36 @@
     res = d.dispatch(x, topk_idx, topk_weights)   # x [T, H]; topk_idx [T, K] (-1 = none); weights [T, K]
     y = experts(res.x, res.tokens_per_expert)     # res.x [R, H], expert-major
     out = d.combine(y, res.handle)                # out[t] = sum_k topk_weights[t, k] * y[row(t, k)]
+    d.free()                                      # collective; or let tilecomm.finalize() take the buffers
 
 Experts are split evenly: rank r owns experts r*E/W ... (r+1)*E/W - 1. `res.x` rows are ordered by
-local expert, then source rank, then source token index (bit-for-bit deterministic). Both calls are
-differentiable: dispatch's backward is a combine of the gradients (and returns each row's weight
-gradient to its token), combine's backward is a dispatch; `topk_weights` gets its gradient
-through `res.weights`, which combine uses.
+local expert, then source rank, then source token index, then k (a token naming an expert twice gets two
+rows): bit-for-bit deterministic. Both calls are differentiable: dispatch's backward is a combine of the
+gradients (and returns each row's weight gradient to its token), combine's backward is a dispatch;
+`topk_weights` gets its gradient through `res.weights`, which combine uses.
 
-Streams: by default every call runs on the current stream and returns after queuing its kernels, except
-for one host synchronisation in normal-mode dispatch (the per-rank token counts decide the buffer sizes).
-With `async_op=True`, dispatch and combine run on the Dispatcher's own communication stream (which first
-waits for the current stream) and the result carries `work`, an event-like object: `work.wait()` makes
-the current stream wait for the call; read the outputs only after it. The handle may be used by any
-number of combines (normal mode); output buffers are per call.
+State: the Dispatcher allocates its symmetric buffers and signal words once, here (collective:
+construct it on every rank in the same order with the same arguments; a mismatch raises
+PeerMismatchError naming both ranks), sized from (num_experts, hidden, max_tokens_per_rank, topk,
+dtype, world size) -- see buffers.py for the sizes. No call allocates symmetric memory. `free()` gives
+the buffers back (collective); `tilecomm.finalize()` releases them too (later calls raise).
 
-backend: "tilecomm" (the runtime's kernels and collectives; the world group) or "nccl" (torch ops and
-torch.distributed.all_to_all_single on `group`: the reference implementation, and a drop-in
-fallback).
+Streams: every call runs on the current stream and returns after queuing its kernels; normal-mode
+dispatch synchronises the host once (the received row count sizes res.x), combine never. With
+`async_op=True`, dispatch and combine run on the Dispatcher's own communication stream (which first
+waits for the current stream) and the result carries `work`: `work.wait()` makes the current stream
+wait for the call; read the outputs only after it. Calls are collective: every rank makes the same
+sequence of dispatch / combine calls (backward passes included).
 
-mode="low_latency" (decode; backend "tilecomm"): fixed-capacity symmetric buffers allocated once here
-(collective: construct the Dispatcher on every rank in the same order), no host synchronisation,
+backend: "tilecomm" (fused device kernels: normal.py, low_latency.py; the world group) or "nccl" (torch
+ops and torch.distributed.all_to_all_single on `group`: reference.py, the reference implementation and
+a drop-in fallback). Both give bit-identical rows and combines.
+
+mode="low_latency" (decode; backend "tilecomm"): no host synchronisation, CUDA-graph capturable,
 `res.x` is [E_local, W * max_tokens_per_rank, H] with `res.tokens_per_expert` valid rows per expert
 (same order inside each expert; rows past the count undefined), `res.weights` [E_local, capacity].
-Forward-only; one combine per dispatch, before the next dispatch. See low_latency.py.
+More than max_tokens_per_rank rows for one (expert, source rank), or an expert id out of range, is
+found on the device: nothing is written out of bounds and the next call raises. Forward-only.
 """
 from __future__ import annotations
 
@@ -37,42 +44,49 @@ import torch.distributed as dist
 
 import tilecomm
 from tilecomm.collectives import Work
+from tilecomm.errors import PeerMismatchError
 
-from . import engine, fp8
-from . import low_latency as ll
+from . import fp8
 from .handle import DispatchHandle, DispatchResult
+from .low_latency import LowLatencyEngine, LowLatencyHandle
+from .normal import FusedEngine
+from .reference import ReferenceEngine
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, be, handle):
-        ctx.be, ctx.handle = be, handle
-        return engine.dispatch_rows(be, handle, x), engine.dispatch_pairs(be, handle, topk_weights)
+    def forward(ctx, x, topk_weights, engine, topk_idx, box):
+        rows, weights, _, plan = engine.dispatch(x, topk_idx, topk_weights)
+        box.append(plan)
+        ctx.engine, ctx.plan = engine, plan
+        return rows, weights
 
     @staticmethod
     def backward(ctx, grad_rows, grad_weights):
-        be, h = ctx.be, ctx.handle
-        grad_x = engine.combine_rows(be, h, grad_rows.contiguous(), None) if ctx.needs_input_grad[0] else None
-        grad_w = engine.return_pairs(be, h, grad_weights) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x, grad_w = ctx.engine.combine(ctx.plan, grad_rows.contiguous() if need_x else None, None,
+                                            grad_weights.float().contiguous() if need_w else None)
+        return grad_x, grad_w, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, row_weights, be, handle):
-        ctx.be, ctx.handle = be, handle
+    def forward(ctx, y, row_weights, engine, plan):
+        ctx.engine, ctx.plan = engine, plan
         ctx.save_for_backward(y, row_weights)
-        return engine.combine_rows(be, handle, y, row_weights)
+        return engine.combine(plan, y, row_weights)[0]
 
     @staticmethod
     def backward(ctx, grad_out):
-        be, h = ctx.be, ctx.handle
         y, row_weights = ctx.saved_tensors
-        grad_rows = engine.dispatch_rows(be, h, grad_out.contiguous())
+        grad_rows = ctx.engine.redispatch(ctx.plan, grad_out.contiguous())
         acc = torch.promote_types(y.dtype, torch.float32)
         grad_y = (grad_rows.to(acc) * row_weights.to(acc)[:, None]).to(y.dtype) if ctx.needs_input_grad[0] else None
         grad_w = (grad_rows.to(acc) * y.to(acc)).sum(-1).float() if ctx.needs_input_grad[1] else None
         return grad_y, grad_w, None, None
+
+
+_ARGS = ("num_experts", "hidden", "max_tokens_per_rank", "topk", "dtype", "mode", "backend")
 
 
 class Dispatcher:
@@ -80,14 +94,8 @@ class Dispatcher:
 
     def __init__(self, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, group=None, mode: str = "normal", backend: str = "tilecomm"):
-        if mode not in ("normal", "low_latency"):
-            raise ValueError(f"Dispatcher: mode={mode!r}; expected 'normal' or 'low_latency'")
-        if mode == "low_latency" and backend != "tilecomm":
-            raise ValueError("Dispatcher: mode='low_latency' needs backend='tilecomm' (symmetric buffers)")
-        for name, value in (("num_experts", num_experts), ("hidden", hidden),
-                            ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Dispatcher: {name}={value!r}; expected a positive int")
+        if backend not in ("tilecomm", "nccl"):
+            raise ValueError(f"Dispatcher: backend={backend!r}; expected 'tilecomm' or 'nccl'")
         if backend == "tilecomm":
             ctx = tilecomm.current()
             if group is not None and dist.get_process_group_ranks(group) != list(range(ctx.world_size)):
@@ -96,18 +104,52 @@ class Dispatcher:
         else:
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
             self.device = None
+        args = (num_experts, hidden, max_tokens_per_rank, topk, str(dtype), mode, backend)
+        self._agree(args, group if backend == "nccl" else None)
+        if mode not in ("normal", "low_latency"):
+            raise ValueError(f"Dispatcher: mode={mode!r}; expected 'normal' or 'low_latency'")
+        if mode == "low_latency" and backend != "tilecomm":
+            raise ValueError("Dispatcher: mode='low_latency' needs backend='tilecomm' (symmetric buffers)")
+        for name, value in zip(_ARGS[:4], args[:4]):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Dispatcher: {name}={value!r}; expected a positive int")
         if num_experts % self.world_size:
             raise ValueError(f"Dispatcher: num_experts={num_experts} must divide by the group size ({self.world_size})")
         if topk > num_experts:
             raise ValueError(f"Dispatcher: topk={topk} > num_experts={num_experts}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"Dispatcher: dtype={dtype!r}; expected a floating-point torch.dtype")
         self.num_experts, self.hidden, self.max_tokens, self.topk, self.dtype = num_experts, hidden, max_tokens_per_rank, topk, dtype
         self.num_local_experts = num_experts // self.world_size
         self.mode, self.backend = mode, backend
-        self._be = engine.make_backend(backend, group)
-        self._ll = None
+        self._stream = None
+        shape = (num_experts, hidden, max_tokens_per_rank, topk, dtype)
         if mode == "low_latency":
-            self._ll = ll.LowLatencyBuffers.allocate(self.num_local_experts, self.world_size, max_tokens_per_rank,
-                                                     hidden, dtype)
+            self._engine = LowLatencyEngine(*shape)
+        elif backend == "tilecomm":
+            self._engine = FusedEngine(*shape)
+        else:
+            self._engine = ReferenceEngine(num_experts, self.rank, self.world_size, group)
+
+    def _agree(self, args: tuple, group) -> None:
+        """PeerMismatchError naming both ranks unless every rank passed the same arguments (one host gather)."""
+        if self.world_size == 1:
+            return
+        if group is None:
+            seen = tilecomm.current().boot.all_gather_object(args)
+        else:
+            seen = [None] * self.world_size
+            dist.all_gather_object(seen, args, group=group)
+        for r, theirs in enumerate(seen):
+            for name, a, b in zip(_ARGS, args, theirs):
+                if a != b:
+                    raise PeerMismatchError(f"Dispatcher: rank {self.rank} has {name}={a!r}, rank {r} has {name}={b!r}; "
+                                            "every rank must construct it with the same arguments")
+
+    def free(self) -> None:
+        """Collective: return the symmetric buffers (waits for this rank's kernels). Later calls raise."""
+        if hasattr(self._engine, "free"):
+            self._engine.free()
 
     @contextlib.contextmanager
     def _on_comm_stream(self, async_op: bool, inputs):
@@ -116,7 +158,7 @@ class Dispatcher:
         if not (async_op and inputs[0].is_cuda):
             yield outputs
             return
-        if getattr(self, "_stream", None) is None:
+        if self._stream is None:
             self._stream = torch.cuda.Stream()
         caller = torch.cuda.current_stream()
         self._stream.wait_stream(caller)
@@ -147,82 +189,77 @@ class Dispatcher:
             raise ValueError(f"dispatch: topk_weights must be [num_tokens={T}, topk={self.topk}], got {getattr(topk_weights, 'shape', None)}")
         if not topk_weights.is_floating_point():
             raise TypeError(f"dispatch: topk_weights must be floating point, got {topk_weights.dtype}")
-        if topk_idx.numel() and self.mode == "normal":  # low-latency: checked on the device, no host sync
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < -1 or hi >= self.num_experts:
-                raise ValueError(f"dispatch: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
+        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if t.device != x.device:
+                raise ValueError(f"dispatch: {name} is on {t.device}, x on {x.device}")
+        # expert ids are checked on the device (one host read at most): ValueError at the end of the call
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  return_recv_hook: bool = False, async_op: bool = False, use_fp8: bool = False) -> DispatchResult:
-        """See `_dispatch`; async_op=True runs it on the communication stream and sets `res.work`.
+        """x [T, H] (dtype), topk_idx [T, K] int (-1 = none), topk_weights [T, K] float -> DispatchResult.
 
+        return_recv_hook (low-latency mode): queue only the send half now; `res.recv_hook()` queues the
+        receive half, after which res.x / res.weights / res.tokens_per_expert are filled (combine raises
+        before it). async_op=True runs the call on the communication stream and sets `res.work`.
         use_fp8 (normal mode, forward only): send e4m3 values + per-128-column scales (dispatch/fp8.py);
         res.x is float8_e4m3fn [R, H] and res.x_scales float32 [R, H / 128]. Combine stays in `dtype`."""
+        self._check(x, topk_idx, topk_weights)
+        if return_recv_hook and self.mode != "low_latency":
+            raise ValueError("dispatch: return_recv_hook=True needs mode='low_latency'")
+        if (use_fp8 or self.mode == "low_latency") and torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
+            what = "use_fp8=True" if use_fp8 else "mode='low_latency'"
+            raise ValueError(f"dispatch: {what} is forward-only; use mode='normal' for training (or run under torch.no_grad())")
+        if use_fp8 and self.mode != "normal":
+            raise ValueError("dispatch: use_fp8=True is available in mode='normal'")
         with self._on_comm_stream(async_op, [x, topk_idx, topk_weights]) as outputs:
-            if use_fp8:
+            if self.mode == "low_latency":
+                rows, weights, per_expert, handle, hook = self._engine.dispatch(x.contiguous(), topk_idx, topk_weights,
+                                                                                defer_recv=return_recv_hook)
+                res = DispatchResult(rows, weights, per_expert, handle, hook)
+            elif use_fp8:
                 res = self._dispatch_fp8(x, topk_idx, topk_weights)
             else:
-                res = self._dispatch(x, topk_idx, topk_weights, return_recv_hook)
+                box: list = []
+                rows, weights = _Dispatch.apply(x.contiguous(), topk_weights, self._engine, topk_idx, box)
+                res = DispatchResult(rows, weights, box[0].tokens_per_expert, self._handle(box[0], weights))
             outputs += [res.x, res.weights, res.tokens_per_expert]
         if async_op:
             res.work = Work(res.x)
         return res
 
+    def _handle(self, plan, weights) -> DispatchHandle:
+        return DispatchHandle(plan.num_tokens, self.hidden, self.topk, plan.num_recv_rows, plan.tokens_per_expert,
+                              self.backend, plan, weights)
+
     def _dispatch_fp8(self, x, topk_idx, topk_weights) -> DispatchResult:
-        self._check(x, topk_idx, topk_weights)
-        if self.mode != "normal":
-            raise ValueError("dispatch: use_fp8=True is available in mode='normal'")
-        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
-            raise ValueError("dispatch: use_fp8=True is forward-only; run it under torch.no_grad()")
         x_fp8, scales = fp8.quantize(x)
-        handle = engine.plan(self._be, topk_idx, self.num_experts, self.rank, self.world_size, self.hidden)
-        rows = engine.dispatch_rows(self._be, handle, x_fp8.view(torch.uint8)).view(torch.float8_e4m3fn)
-        handle.row_weights = engine.dispatch_pairs(self._be, handle, topk_weights)
-        res = DispatchResult(rows, handle.row_weights, handle.tokens_per_expert, handle)
-        res.x_scales = engine.dispatch_rows(self._be, handle, scales)
+        rows, weights, row_scales, plan = self._engine.dispatch(x_fp8.view(torch.uint8), topk_idx, topk_weights, x2=scales)
+        res = DispatchResult(rows.view(torch.float8_e4m3fn), weights, plan.tokens_per_expert, self._handle(plan, weights))
+        res.x_scales = row_scales
         return res
-
-    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                  return_recv_hook: bool = False) -> DispatchResult:
-        """x [T, H] (dtype), topk_idx [T, K] int (-1 = none), topk_weights [T, K] float -> DispatchResult.
-
-        return_recv_hook (low-latency mode): queue only the send half now; `res.recv_hook()` queues the
-        receive half, after which res.x / res.weights / res.tokens_per_expert are filled."""
-        self._check(x, topk_idx, topk_weights)
-        if return_recv_hook and self.mode != "low_latency":
-            raise ValueError("dispatch: return_recv_hook=True needs mode='low_latency'")
-        if self.mode == "low_latency":
-            if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
-                raise ValueError("dispatch: mode='low_latency' is forward-only; use mode='normal' for training "
-                                 "(or run under torch.no_grad())")
-            rows, weights, per_expert, handle, hook = ll.dispatch(self._ll, x.contiguous(), topk_idx.contiguous(),
-                                                                  topk_weights, self.num_experts, self.max_tokens,
-                                                                  defer_recv=return_recv_hook)
-            return DispatchResult(rows, weights, per_expert, handle, hook)
-        handle = engine.plan(self._be, topk_idx, self.num_experts, self.rank, self.world_size, self.hidden)
-        rows, weights = _Dispatch.apply(x, topk_weights, self._be, handle)
-        handle.row_weights = weights
-        return DispatchResult(rows, weights, handle.tokens_per_expert, handle)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, async_op: bool = False):
         """y [R, H] (rows in res.x's order) -> out [T, H] = sum_k topk_weights[t, k] * y[row(t, k)].
         async_op=True: runs on the communication stream and returns (out, work); wait before reading out."""
+        self._check_combine(y, handle)
         with self._on_comm_stream(async_op, [y]) as outputs:
-            out = self._combine(y, handle)
+            if self.mode == "low_latency":
+                out = self._engine.combine(y.contiguous(), handle)
+            else:
+                out = _Combine.apply(y.contiguous(), handle.row_weights, self._engine, handle.plan)
             outputs.append(out)
         return (out, Work(out)) if async_op else out
 
-    def _combine(self, y: torch.Tensor, handle) -> torch.Tensor:
+    def _check_combine(self, y, handle) -> None:
         if self.mode == "low_latency":
-            if not isinstance(handle, ll.LowLatencyHandle):
+            if not isinstance(handle, LowLatencyHandle):
                 raise ValueError("combine: handle must be the LowLatencyHandle this Dispatcher's dispatch returned")
             shape = (self.num_local_experts, handle.capacity, self.hidden)
-            if not isinstance(y, torch.Tensor) or tuple(y.shape) != shape:
-                raise ValueError(f"combine: y must be {list(shape)} (res.x's shape), got {getattr(y, 'shape', type(y))}")
-            return ll.combine(self._ll, y, handle, self.max_tokens)
-        if not isinstance(handle, DispatchHandle) or handle.backend != self.backend:
-            raise ValueError("combine: handle must be the DispatchHandle this Dispatcher's dispatch returned")
-        if not isinstance(y, torch.Tensor) or tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
-            raise ValueError(f"combine: y must be [{handle.num_recv_rows}, {handle.hidden}] (the rows of this "
-                             f"dispatch), got {getattr(y, 'shape', type(y))}")
-        return _Combine.apply(y, handle.row_weights, self._be, handle)
+        else:
+            if not isinstance(handle, DispatchHandle) or handle.backend != self.backend:
+                raise ValueError("combine: handle must be the DispatchHandle this Dispatcher's dispatch returned")
+            shape = (handle.num_recv_rows, handle.hidden)
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != shape:
+            raise ValueError(f"combine: y must be {list(shape)} (res.x's shape), got {getattr(y, 'shape', type(y))}")
+        if not y.is_floating_point() or y.element_size() > torch.empty((), dtype=self.dtype).element_size():
+            raise TypeError(f"combine: y dtype {y.dtype}; expected a floating dtype no wider than {self.dtype}")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -12,41 +12,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class DispatchHandle:
-    """Index maps of one dispatch. T = tokens here, K = top-k, W = ranks, S = rows this rank sends
-    (a token once per destination rank), N = token rows it receives, R = (token, local expert)
-    rows it holds after dispatch. All tensors are int64 on the tokens' device.
+    """What combine and the backward passes need from one normal-mode dispatch (this rank).
 
-    send_rows:        [S]    token index of each send-buffer row (grouped by rank, then token)
-    token_pos:        [T, W] send-buffer row of token t for rank r, -1 if t does not go to r
-    pair_send_row:    [T, K] send-buffer row that carries pair (t, k), -1 for no expert
-    send_splits:      W ints, rows sent to each rank; recv_splits: W ints, rows received from each
-    recv_topk:        [N, K] global expert ids of the received rows
-    pair_row:         [N, K] output row of received pair (j, k), -1 if that expert is not local
-    row_src:          [R]    received row behind each output row
-    row_pair:         [R]    flat pair index j * K + k behind each output row
-    tokens_per_expert: [E_local]
-    row_weights:      [R] float32 routing weight of each row (combine uses it; gradients reach topk_weights)
-    """
+    num_tokens: T tokens dispatched here; hidden: H; topk: K; num_recv_rows: R, the rows of res.x;
+    tokens_per_expert: [E_local] int64 on the device; backend: "tilecomm" or "nccl";
+    plan: the backend's index maps (normal.FusedPlan for "tilecomm", reference.ReferencePlan for "nccl");
+    row_weights: [R] float32 routing weight of each row (set by dispatch; gradients reach topk_weights).
+    A handle may be combined any number of times, in the same order on every rank."""
 
     num_tokens: int
     hidden: int
     topk: int
-    send_rows: torch.Tensor
-    token_pos: torch.Tensor
-    pair_send_row: torch.Tensor
-    send_splits: List[int]
-    recv_splits: List[int]
-    recv_topk: torch.Tensor
-    pair_row: torch.Tensor
-    row_src: torch.Tensor
-    row_pair: torch.Tensor
+    num_recv_rows: int
     tokens_per_expert: torch.Tensor
     backend: str
-    row_weights: Optional[torch.Tensor] = None  # [R] float32, set by dispatch (autograd-connected)
-
-    @property
-    def num_recv_rows(self) -> int:
-        return int(self.row_src.shape[0])
+    plan: object
+    row_weights: Optional[torch.Tensor] = None
 
 
 @dataclass

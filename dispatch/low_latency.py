@@ -1,250 +1,359 @@
-"""Low-latency dispatch/combine (decode): fixed-capacity symmetric buffers, no host synchronisation.
+"""Low-latency dispatch/combine (decode): fixed capacity, no host synchronisation, CUDA-graph capturable.
 
-Shapes: E_l local experts, W ranks, M = max_tokens_per_rank, K = top-k, H = hidden, cap = W * M.
-Buffers (allocated once, collectively, by the Dispatcher):
+E_l local experts, W ranks, M = max_tokens_per_rank = the capacity per (expert, source rank), K top-k,
+H hidden, cap = W * M. Buffers: buffers.low_latency_specs (made once by the Dispatcher).
 
-    stage_x [E_l, W, M, H], stage_w [E_l, W, M]   rank s puts its rows for local expert e of rank r at
-                                                   stage[e, s, slot] on r (slot = the pair's index among
-                                                   s's pairs for that expert, in token order)
-    count_sig [E_l, W]   SET by s to epoch*(M+1) + count once its rows for (e, s) are out
-    consumed_sig [W]     SET by r to the epoch once it copied everything s staged on it
-    back_x [W, E_l, M, H] on the source: r puts y's rows of (e, s) back at [r, e, slot]
-    back_sig [W]         SET by r to the epoch once its rows for s are back
+dispatch = send kernel + receive kernel (the receive half can be deferred: `recv_hook`):
+- send (programs: token x column chunk): the slot of pair (t, k) = its index among this rank's pairs for
+  that expert (token order, then k); the row goes to its owner r's recv[e_l, me, slot], with its weight
+  and t * K + k (stores through symm_at(., r), r == me included). A slot >= M is never written: the error
+  is recorded (raised at the next call) and the source zeroes that pair's back row. The last program
+  counts pairs per expert and SETs count[e_l, me] = epoch * (M + 1) + count on every r (release).
+- receive (programs: local expert x source x column chunk): waits for the counts of its expert from all
+  sources, copies the (expert, source) rows to out[e_l, (rows of lower sources) + slot]: expert-major,
+  then source rank, then token, then k. The last program SETs consumed[me] on every source (a sender
+  waits for it before it overwrites a peer's staging rows) and advances the epoch word.
 
-Dispatch = send (per token: wait until the destination consumed the previous epoch, put each
-(token, expert) row and its weight), count (signal counts), receive (per (expert, source): wait
-for the counts of all sources, copy the rows to their packed place: expert-major, then source,
-then token), finish (tell every source its stage was consumed; bump the epoch word).
-Combine = back (per (expert, source): put the rows of y back), back-signal, reduce (per token:
-wait for every rank's rows, sum weight * row in fp32).
+combine = back kernel + reduce kernel:
+- back (programs: local expert x column chunk): row i of expert e goes to its source's back[t, k].
+  The last program SETs back_ready[me] on every rank.
+- reduce (programs: token x column chunk): out[t] = sum over k (in order) of w[t, k] * back[t, k],
+  fp32, mul then add: combine_pairs_reference's operations. The last program SETs back_consumed[me].
 
-The epoch lives in device memory (and each handle keeps its own copy), so nothing here reads a
-device value on the host: the calls can be captured in a CUDA graph. Forward-only (decode).
-Every kernel only waits for an earlier launch of a peer, so CPU ranks (interpreter) never deadlock.
+Epochs live in device words (dispatch: epoch[0], combine: epoch[1]) and are advanced by the kernels,
+so nothing reads a device value on the host and the calls can be captured in a CUDA graph. Every kernel
+waits only for earlier launches of peers: CPU ranks (the interpreter) never deadlock.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
 
-BLOCK_H = 256
+from ._device import ERR_BAD_EXPERT, ERR_CAPACITY, last_program, peer_offset, record_error, signal_all, wait_all
+from .buffers import SymmetricState, low_latency_specs, row_bytes
+
+_SIG_CONSUMED, _SIG_BACK_READY, _SIG_BACK_CONSUMED = range(3)
+
+
+@dataclass(frozen=True)
+class LowLatencyConfig:
+    """block_h: columns per step; col_programs: column chunks per row (programs per token in send and
+    reduce, per expert in receive and back); block_rows: rows per step in receive / back."""
+
+    block_h: int = 1024
+    col_programs: int = 7
+    block_rows: int = 2
+    num_warps: int = 4
+
+    @staticmethod
+    def for_device(device: torch.device, hidden: int) -> "LowLatencyConfig":
+        if device.type == "cuda":
+            return LowLatencyConfig(col_programs=max(1, min(8, triton.cdiv(hidden, 1024))))
+        return LowLatencyConfig(block_h=min(256, triton.next_power_of_2(hidden)), col_programs=1, block_rows=8,
+                                num_warps=1)
 
 
 @tilecomm.jit
-def _send_kernel(x_ptr, idx_ptr, w_ptr, slot_ptr, stage_x_ptr, stage_w_ptr, consumed_ptr, epoch_ptr, err_ptr,
-                 K, H, E, E_L, W, M):
-    t = tl.program_id(0).to(tl.int64)
+def _send_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr,
+                 back_ptr, err_ptr, counter_ptr, T, E, E_L, W, M, H, ROW, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
+    t = tl.program_id(0)
     me = tcl.rank()
     epoch = tl.load(epoch_ptr) + 1
-    for k in range(0, K):
-        e = tl.load(idx_ptr + t * K + k).to(tl.int64)
-        if (e < -1) | (e >= E):
-            if tl.load(err_ptr, volatile=True) == 0:
-                tl.store(err_ptr + 1, me.to(tl.int64))
-                tl.store(err_ptr + 2, t)
-                tl.store(err_ptr + 3, e)
-                tl.store(err_ptr + 4, E)
-                tl.store(err_ptr, 3)
-        elif e >= 0:
-            r = (e // E_L).to(tl.int32)
-            row = ((e % E_L) * W + me) * M + tl.load(slot_ptr + t * K + k)
-            tok = tcl.wait(consumed_ptr + r, epoch - 1, tcl.CMP_GE)  # r is done with the last epoch
-            tcl.put(tcl.consume_token(stage_x_ptr, tok) + row * H, x_ptr + t * H, H, r)
-            tcl.put(stage_w_ptr + row, w_ptr + t * K + k, 1, r)
+    wait_all(consumed_ptr, epoch - 1, W)  # every rank has copied out my previous rows
+    kk = tl.arange(0, BLOCK_K)
+    km = tl.where(t < T, kk < K, False)  # (scalar & vector masks break the interpreter)
+    f = t.to(tl.int64) * K + kk
+    ids = tl.load(topk_ptr + f, mask=km, other=-1).to(tl.int64)
+    valid = km & (ids >= 0) & (ids < E)
+    slot = tl.zeros((BLOCK_K,), tl.int32)  # pairs before (t, k), in (token, k) order, with the same expert
+    for c0 in range(0, t * K + K, BLOCK_C):
+        fc = c0 + tl.arange(0, BLOCK_C)
+        ids_c = tl.load(topk_ptr + fc, mask=fc < T * K, other=-1).to(tl.int64)
+        slot += tl.sum(((ids_c[None, :] == ids[:, None]) & (fc[None, :] < f[:, None])).to(tl.int32), axis=1)
+    bad = km & ((ids < -1) | (ids >= E))
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        record_error(err_ptr, ERR_BAD_EXPERT, me, t, tl.max(tl.where(bad, ids, -2 ** 62), axis=0), E)
+    ok = valid & (slot < M)
+    owner = tl.where(ok, ids // E_L, 0)
+    dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
+    if tl.program_id(1) == 0:
+        tl.store(recv_w_ptr + peer_offset(recv_w_ptr, owner, 1) + dst, tl.load(w_ptr + f, mask=ok), mask=ok)
+        tl.store(recv_src_ptr + peer_offset(recv_src_ptr, owner, 1) + dst, f.to(tl.int32), mask=ok)
+    to_pe = peer_offset(recv_ptr, owner, ALIGN)
+    over = valid & (slot >= M)
+    for h in range(tl.program_id(1) * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
+        cols = h + tl.arange(0, BLOCK_H)
+        cm = cols < H
+        v = tl.load(x_ptr + t.to(tl.int64) * H + cols, mask=tl.where(t < T, cm, False))
+        for k in tl.static_range(K):
+            sel = kk == k
+            ok_k = tl.max((sel & ok).to(tl.int32), axis=0) > 0
+            at = tl.multiple_of(tl.sum(tl.where(sel, to_pe + dst * ROW, 0), axis=0), ALIGN)
+            tl.store(recv_ptr + at + cols, v, mask=tl.where(ok_k, cm, False))
+            over_k = tl.max((sel & over).to(tl.int32), axis=0) > 0  # dropped: combine adds w * 0
+            tl.store(back_ptr + (t.to(tl.int64) * K + k) * ROW + cols, tl.zeros((BLOCK_H,), v.dtype), mask=tl.where(over_k, cm, False))
+    if last_program(counter_ptr):
+        _publish_counts(topk_ptr, count_ptr, err_ptr, me, epoch, T, E, E_L, W, M, K, BLOCK_C, BLOCK_EL)
 
 
-@tilecomm.jit
-def _count_kernel(counts_ptr, count_sig_ptr, epoch_ptr, E_L, W, M):
-    """counts[e]: this rank's pairs for global expert e."""
-    me = tcl.rank()
-    epoch = tl.load(epoch_ptr) + 1
+@triton.jit
+def _publish_counts(topk_ptr, count_ptr, err_ptr, me, epoch, T, E, E_L, W, M, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                    BLOCK_EL: tl.constexpr):
+    """SET count[e_l, me] = epoch * (M + 1) + min(rows, M) on every rank r, for r's experts."""
+    el = tl.arange(0, BLOCK_EL)
     for r in range(0, W):
-        for el in range(0, E_L):
-            n = tl.load(counts_ptr + r * E_L + el)
-            tcl.signal(count_sig_ptr + el * W + me, epoch * (M + 1) + n, r, tcl.SIGNAL_SET)
+        n = tl.zeros((BLOCK_EL,), tl.int32)
+        for c0 in range(0, T * K, BLOCK_C):
+            fc = c0 + tl.arange(0, BLOCK_C)
+            ids = tl.load(topk_ptr + fc, mask=fc < T * K, other=-1).to(tl.int64)
+            mine = (ids >= r * E_L) & (ids < (r + 1) * E_L) & (ids < E)
+            n += tl.histogram(tl.where(mine, ids - r * E_L, E_L).to(tl.int32), BLOCK_EL)
+        n = tl.where(el < E_L, n, 0)
+        if tl.max(n, axis=0) > M:
+            worst = tl.argmax(n, axis=0)
+            record_error(err_ptr, ERR_CAPACITY, me, r * E_L + worst, tl.max(n, axis=0), M)
+        tagged = epoch * (M + 1) + tl.minimum(n, M).to(tl.int64)
+        last = tl.sum(tl.where(el == E_L - 1, tagged, 0), axis=0)  # padding lanes repeat the last word
+        tcl.signal(count_ptr + tl.minimum(el, E_L - 1) * W + me, tl.where(el < E_L, tagged, last), r,
+                   tcl.SIGNAL_SET)
 
 
 @tilecomm.jit
-def _recv_kernel(stage_x_ptr, stage_w_ptr, count_sig_ptr, out_x_ptr, out_w_ptr, per_expert_ptr, counts_ptr,
-                 epoch_ptr, H, W, M, BLOCK_H: tl.constexpr):
-    el = tl.program_id(0).to(tl.int64)
+def _recv_kernel(recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr, out_ptr, out_w_ptr,
+                 row_src_ptr, per_expert_ptr, counter_ptr, W, M, H, ROW, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    el = tl.program_id(0)
     src = tl.program_id(1)
+    j = tl.program_id(2)
+    me = tcl.rank()
     epoch = tl.load(epoch_ptr) + 1
     base = epoch * (M + 1)
     offset = tl.zeros((), tl.int64)
     count = tl.zeros((), tl.int64)
     total = tl.zeros((), tl.int64)
-    for s in range(0, W):
-        n = tcl.wait(count_sig_ptr + el * W + s, base, tcl.CMP_GE) - base
-        total += n
-        if s < src:
-            offset += n
-        if s == src:
-            count = n
-    tl.store(counts_ptr + el * W + src, count)
-    if src == 0:
-        tl.store(per_expert_ptr + el, total)
-    cols = tl.arange(0, BLOCK_H)
-    for i in range(0, count):
-        stage_row = (el * W + src) * M + i
-        out_row = el * W * M + offset + i
-        for h in range(0, H, BLOCK_H):
-            m = h + cols < H
-            tl.store(out_x_ptr + out_row * H + h + cols, tl.load(stage_x_ptr + stage_row * H + h + cols, mask=m), mask=m)
-        tl.store(out_w_ptr + out_row, tl.load(stage_w_ptr + stage_row))
-
-
-@tilecomm.jit
-def _finish_kernel(consumed_ptr, epoch_ptr, handle_epoch_ptr, W):
-    me = tcl.rank()
-    epoch = tl.load(epoch_ptr) + 1
-    for s in range(0, W):
-        tcl.signal(consumed_ptr + me, epoch, s, tcl.SIGNAL_SET)
-    tl.store(epoch_ptr, epoch)
-    tl.store(handle_epoch_ptr, epoch)
-
-
-@tilecomm.jit
-def _back_kernel(y_ptr, counts_ptr, back_x_ptr, H, E_L, W, M):
-    el = tl.program_id(0).to(tl.int64)
-    src = tl.program_id(1)
-    me = tcl.rank()
-    offset = tl.zeros((), tl.int64)
-    for s in range(0, src):
-        offset += tl.load(counts_ptr + el * W + s)
-    n = tl.load(counts_ptr + el * W + src)
-    tcl.put(back_x_ptr + ((me * E_L + el) * M) * H, y_ptr + (el * W * M + offset) * H, n * H, src)
-
-
-@tilecomm.jit
-def _back_signal_kernel(back_sig_ptr, handle_epoch_ptr, W):
-    me = tcl.rank()
-    epoch = tl.load(handle_epoch_ptr)
-    for s in range(0, W):
-        tcl.signal(back_sig_ptr + me, epoch, s, tcl.SIGNAL_SET)
-
-
-@tilecomm.jit
-def _reduce_kernel(back_x_ptr, idx_ptr, w_ptr, slot_ptr, back_sig_ptr, handle_epoch_ptr, out_ptr, K, H, E_L, W, M,
-                   BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    epoch = tl.load(handle_epoch_ptr)
     for r in range(0, W):
-        tcl.wait(back_sig_ptr + r, epoch, tcl.CMP_GE)
-    acc = tl.zeros((BLOCK_H,), tl.float32)
-    for k in range(0, K):
-        e = tl.load(idx_ptr + t * K + k).to(tl.int64)
-        if e >= 0:
-            row = ((e // E_L) * E_L + e % E_L) * M + tl.load(slot_ptr + t * K + k)
-            vals = tl.load(back_x_ptr + row * H + cols, mask=cols < H, other=0).to(tl.float32)
-            acc += vals * tl.load(w_ptr + t * K + k).to(tl.float32)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+        n = tcl.wait(count_ptr + el * W + r, base, tcl.CMP_GE) - base
+        total += n
+        offset += tl.where(r < src, n, 0)
+        count = tl.where(r == src, n, count)
+    if (src == 0) & (j == 0):
+        tl.store(per_expert_ptr + el, total)
+    cap = W * M
+    first = el.to(tl.int64) * cap + offset  # output row of slot 0
+    for i0 in range(0, count, BLOCK_R):
+        ii = i0 + tl.arange(0, BLOCK_R)
+        im = ii < count
+        staged = (el.to(tl.int64) * W + src) * M + ii
+        if j == 0:
+            tl.store(out_w_ptr + first + ii, tl.load(recv_w_ptr + staged, mask=im), mask=im)
+            tl.store(row_src_ptr + first + ii, src * (M * K) + tl.load(recv_src_ptr + staged, mask=im), mask=im)
+        for h in range(j * BLOCK_H, H, tl.num_programs(2) * BLOCK_H):
+            cols = h + tl.arange(0, BLOCK_H)
+            m = im[:, None] & (cols < H)[None, :]
+            v = tl.load(recv_ptr + staged[:, None] * ROW + cols[None, :], mask=m)
+            tl.store(out_ptr + (first + ii)[:, None] * H + cols[None, :], v, mask=m)
+    if last_program(counter_ptr):
+        signal_all(consumed_ptr + me, epoch, W)
+        tl.store(epoch_ptr, epoch)
 
 
-@dataclass
-class LowLatencyBuffers:
-    """Symmetric buffers of one low-latency Dispatcher (see the module docstring for shapes)."""
+@tilecomm.jit
+def _back_kernel(y_ptr, row_src_ptr, per_expert_ptr, back_ptr, ready_ptr, consumed_ptr, epoch_ptr, counter_ptr,
+                 W, M, H, ROW, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
+    el = tl.program_id(0)
+    j = tl.program_id(1)
+    me = tcl.rank()
+    epoch = tl.load(epoch_ptr + 1) + 1
+    wait_all(consumed_ptr, epoch - 1, W)  # every source has reduced my previous rows
+    n = tl.load(per_expert_ptr + el)
+    row0 = el.to(tl.int64) * W * M
+    for i0 in range(0, n, BLOCK_R):
+        ii = i0 + tl.arange(0, BLOCK_R)
+        im = ii < n
+        src = tl.load(row_src_ptr + row0 + ii, mask=im, other=0)
+        at = peer_offset(back_ptr, src // (M * K), ALIGN) + (src % (M * K)).to(tl.int64) * ROW
+        for h in range(j * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
+            cols = h + tl.arange(0, BLOCK_H)
+            m = im[:, None] & (cols < H)[None, :]
+            v = tl.load(y_ptr + (row0 + ii)[:, None] * H + cols[None, :], mask=m)
+            tl.store(back_ptr + at[:, None] + cols[None, :], v, mask=m)
+    if last_program(counter_ptr):
+        signal_all(ready_ptr + me, epoch, W)
 
-    stage_x: torch.Tensor
-    stage_w: torch.Tensor
-    count_sig: torch.Tensor
-    consumed_sig: torch.Tensor
-    back_x: torch.Tensor
-    back_sig: torch.Tensor
-    epoch: torch.Tensor
 
-    @classmethod
-    def allocate(cls, e_local: int, world: int, max_tokens: int, hidden: int, dtype: torch.dtype) -> "LowLatencyBuffers":
-        stage_x = tilecomm.empty((e_local, world, max_tokens, hidden), dtype)
-        stage_w = tilecomm.empty((e_local, world, max_tokens), torch.float32)
-        back_x = tilecomm.empty((world, e_local, max_tokens, hidden), dtype)
-        words = tilecomm.zeros((e_local * world + 2 * world + 1,), torch.int64)
-        count_sig = words[: e_local * world].view(e_local, world)
-        consumed_sig = words[e_local * world: e_local * world + world]
-        back_sig = words[e_local * world + world: e_local * world + 2 * world]
-        return cls(stage_x, stage_w, count_sig, consumed_sig, back_x, back_sig, words[-1:])
+@tilecomm.jit
+def _reduce_kernel(back_ptr, topk_ptr, w_ptr, out_ptr, ready_ptr, consumed_ptr, epoch_ptr, counter_ptr, T, E, W, H,
+                   ROW, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, ACC: tl.constexpr):
+    t = tl.program_id(0)
+    me = tcl.rank()
+    epoch = tl.load(epoch_ptr + 1) + 1
+    wait_all(ready_ptr, epoch, W)
+    kk = tl.arange(0, BLOCK_K)
+    km = tl.where(t < T, kk < K, False)  # (scalar & vector masks break the interpreter)
+    ids = tl.load(topk_ptr + t.to(tl.int64) * K + kk, mask=km, other=-1)
+    valid = km & (ids >= 0) & (ids < E)
+    w = tl.load(w_ptr + t.to(tl.int64) * K + kk, mask=valid, other=0.0).to(ACC)
+    for h in range(tl.program_id(1) * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
+        cols = h + tl.arange(0, BLOCK_H)
+        cm = cols < H
+        acc = tl.zeros((BLOCK_H,), ACC)
+        for k in tl.static_range(K):
+            sel = kk == k
+            ok_k = tl.max((sel & valid).to(tl.int32), axis=0) > 0
+            w_k = tl.sum(tl.where(sel, w, 0.0), axis=0)
+            v = tl.load(back_ptr + (t.to(tl.int64) * K + k) * ROW + cols, mask=tl.where(ok_k, cm, False), other=0.0).to(ACC)
+            acc = acc + v * w_k
+        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=tl.where(t < T, cm, False))
+    if last_program(counter_ptr):
+        signal_all(consumed_ptr + me, epoch, W)
+        tl.store(epoch_ptr + 1, epoch)
 
 
+# ---- host side -------------------------------------------------------------------------------------
 @dataclass
 class LowLatencyHandle:
-    """What combine needs: topk_idx [T, K], topk_weights [T, K] float32, slot [T, K] int64 (the pair's
-    index among this rank's pairs for its expert), counts [E_l, W] rows per (expert, source) here,
-    epoch [1] int64 (this dispatch's epoch, on the device), capacity = W * M."""
+    """What combine needs (this rank). topk_idx [T, K] and topk_weights [T, K] float32 (kept); row_src
+    [E_l, cap] int32: source rank * M * K + t * K + k of each received row; tokens_per_expert [E_l] int64
+    (on the device); capacity = W * M; received: whether the receive half ran (see recv_hook)."""
 
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
-    slot: torch.Tensor
-    counts: torch.Tensor
-    epoch: torch.Tensor
+    row_src: torch.Tensor
+    tokens_per_expert: torch.Tensor
     capacity: int
+    received: bool = True
 
 
-def pair_slots(topk_idx: torch.Tensor, num_experts: int):
-    """slot [T, K] (index of each pair among this rank's pairs for its expert, token order; -1 for none)
-    and counts [E] (pairs per expert), by device ops only."""
-    flat = topk_idx.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_experts)
-    onehot = F.one_hot(flat.clamp(0, num_experts - 1), num_experts) * valid[:, None]
-    before = torch.cumsum(onehot, 0) - onehot
-    slot = torch.where(valid, before.gather(1, flat.clamp(0, num_experts - 1)[:, None]).squeeze(1), -1)
-    return slot.view(topk_idx.shape), onehot.sum(0)
+def raise_device_error(words) -> None:
+    """Turn the Dispatcher's device error words [code, rank, a, b, c] into an exception (code 0: none)."""
+    code, rank, a, b, c = (int(v) for v in words[:5])
+    if code == ERR_BAD_EXPERT:
+        raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
+    if code == ERR_CAPACITY:
+        raise ValueError(f"rank {rank}: low-latency dispatch sent {b} rows to expert {a}, more than its capacity of "
+                         f"{c} rows per (expert, source rank) (max_tokens_per_rank; a token naming the same expert "
+                         "twice counts twice); the rows past the capacity were not sent (found on the device)")
+    if code:
+        raise RuntimeError(f"rank {rank}: unknown dispatch device error {code} ({a}, {b}, {c})")
 
 
-def dispatch(bufs: LowLatencyBuffers, x, topk_idx, topk_weights, num_experts: int, max_tokens: int,
-             defer_recv: bool = False):
-    """Returns (x [E_l, cap, H], weights [E_l, cap] float32, tokens_per_expert [E_l], handle, recv_hook).
-
-    The send half (send + count kernels) is queued now; the receive half (receive + finish) too, unless
-    defer_recv: then the outputs are filled only once `recv_hook()` is called, so a caller can queue
-    other work (e.g. another micro-batch's compute) between the two halves."""
-    ctx = tilecomm.current()
-    W, (T, K), H = ctx.world_size, topk_idx.shape, x.shape[1]
-    e_local = num_experts // W
-    cap = W * max_tokens
-    slot, counts = pair_slots(topk_idx, num_experts)
-    weights = topk_weights.float().contiguous()
-    out_x = torch.empty((e_local, cap, H), dtype=x.dtype, device=x.device)
-    out_w = torch.empty((e_local, cap), dtype=torch.float32, device=x.device)
-    per_expert = torch.empty(e_local, dtype=torch.int64, device=x.device)
-    recv_counts = torch.empty((e_local, W), dtype=torch.int64, device=x.device)
-    handle_epoch = torch.empty(1, dtype=torch.int64, device=x.device)
-    if T:
-        _send_kernel[(T,)](x, topk_idx, weights, slot, bufs.stage_x, bufs.stage_w, bufs.consumed_sig, bufs.epoch,
-                           ctx.device_state.error, K, H, num_experts, e_local, W, max_tokens)
-    _count_kernel[(1,)](counts, bufs.count_sig, bufs.epoch, e_local, W, max_tokens)
-
-    def recv_hook() -> None:
-        _recv_kernel[(e_local, W)](bufs.stage_x, bufs.stage_w, bufs.count_sig, out_x, out_w, per_expert, recv_counts,
-                                   bufs.epoch, H, W, max_tokens, BLOCK_H=BLOCK_H)
-        _finish_kernel[(1,)](bufs.consumed_sig, bufs.epoch, handle_epoch, W)
-        if ctx.backend == "cpu":
-            tilecomm.check_errors()
-
-    if not defer_recv:
-        recv_hook()
-    handle = LowLatencyHandle(topk_idx, weights, slot, recv_counts, handle_epoch, cap)
-    return out_x, out_w, per_expert, handle, (recv_hook if defer_recv else None)
+_P2 = triton.next_power_of_2
 
 
-def combine(bufs: LowLatencyBuffers, y: torch.Tensor, h: LowLatencyHandle, max_tokens: int) -> torch.Tensor:
-    """y [E_l, cap, H] -> out [T, H] = sum_k w[t, k] * y[row(t, k)] (fp32 accumulation)."""
-    ctx = tilecomm.current()
-    W = ctx.world_size
-    e_local, _, H = y.shape
-    T, K = h.topk_idx.shape
-    y = y.contiguous()
-    _back_kernel[(e_local, W)](y, h.counts, bufs.back_x, H, e_local, W, max_tokens)
-    _back_signal_kernel[(1,)](bufs.back_sig, h.epoch, W)
-    out = torch.empty((T, H), dtype=y.dtype, device=y.device)
-    if T:
-        _reduce_kernel[(T, triton.cdiv(H, BLOCK_H))](bufs.back_x, h.topk_idx, h.topk_weights, h.slot, bufs.back_sig,
-                                                     h.epoch, out, K, H, e_local, W, max_tokens, BLOCK_H=BLOCK_H)
-    return out
+class LowLatencyEngine:
+    """Low-latency dispatch/combine over buffers made once here (collective). Device errors (bad expert
+    ids, capacity overflow) are recorded by the kernels and raised at the next call (on CPU ranks at the
+    end of the call)."""
+
+    def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype):
+        ctx = tilecomm.current()
+        W = ctx.world_size
+        self.W, self.E, self.E_L, self.M, self.K, self.H, self.dtype = (W, num_experts, num_experts // W, max_tokens,
+                                                                        topk, hidden, dtype)
+        self.cuda = ctx.device.type == "cuda"
+        self.cfg = LowLatencyConfig.for_device(ctx.device, hidden)
+        self.state = SymmetricState("Dispatcher(mode='low_latency')",
+                                    low_latency_specs(W, num_experts, max_tokens, topk, hidden, dtype),
+                                    zeroed=("count", "sig", "epoch"))
+        self.row_bytes = row_bytes(hidden, dtype)
+        counters = torch.zeros(4, dtype=torch.int32, device=ctx.device)
+        self._ctr = [counters[i:i + 1] for i in range(4)]
+        self._sig = [self.state.sig[i] for i in range(3)]
+        self._err = torch.zeros(8, dtype=torch.int64, pin_memory=self.cuda)  # written by the kernels
+        self._err_words = self._err.numpy()
+        self._dummies, self._typed_views = {}, {}
+
+    def free(self) -> None:
+        self.state.free()
+
+    def check_errors(self) -> None:
+        if self._err_words[0]:
+            words = self._err.tolist()
+            self._err.zero_()
+            raise_device_error(words)
+
+    def _or_dummy(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            return t
+        if t.dtype not in self._dummies:
+            self._dummies[t.dtype] = torch.zeros(16, dtype=t.dtype, device=self.state.epoch.device)
+        return self._dummies[t.dtype]
+
+    def _staging(self, name: str, dtype: torch.dtype):
+        """(flat view of buffer `name` as dtype, elements per staged row)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        if self.H * size > self.row_bytes:
+            raise ValueError(f"low-latency dispatch: rows of {self.H} x {dtype} do not fit the staging rows "
+                             f"({self.row_bytes} bytes: hidden x {self.dtype})")
+        if (name, dtype) not in self._typed_views:
+            self._typed_views[(name, dtype)] = self.state.views[name].view(-1).view(dtype)
+        return self._typed_views[(name, dtype)], self.row_bytes // size
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, defer_recv: bool = False):
+        """x [T, H], topk_idx [T, K], topk_weights [T, K] -> (x [E_l, cap, H], weights [E_l, cap] float32,
+        tokens_per_expert [E_l] int64, LowLatencyHandle, recv_hook or None). With defer_recv only the send
+        kernel is queued; the outputs are filled once recv_hook() has queued the receive kernel."""
+        self.state.check_live()
+        self.check_errors()
+        st, cfg, W, E_L, M, K, H = self.state, self.cfg, self.W, self.E_L, self.M, self.K, self.H
+        T, cap, dev = x.shape[0], self.W * self.M, x.device
+        topk, weights = topk_idx.contiguous(), topk_weights.float().contiguous()
+        recv, row = self._staging("recv", x.dtype)
+        back, _ = self._staging("back", x.dtype)
+        _send_kernel[(max(T, 1), cfg.col_programs)](
+            self._or_dummy(x), self._or_dummy(topk), self._or_dummy(weights), recv, st.recv_w, st.recv_src, st.count,
+            self._sig[_SIG_CONSUMED], st.epoch, back, self._err, self._ctr[0], T, self.E, E_L, W, M, H, row, K=K,
+            BLOCK_K=_P2(K), BLOCK_C=256, BLOCK_EL=_P2(E_L), BLOCK_H=cfg.block_h, ALIGN=16 // x.element_size(),
+            num_warps=cfg.num_warps)
+        out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
+        out_w = torch.empty((E_L, cap), dtype=torch.float32, device=dev)
+        per_expert = torch.empty(E_L, dtype=torch.int64, device=dev)
+        handle = LowLatencyHandle(topk, weights, torch.empty((E_L, cap), dtype=torch.int32, device=dev), per_expert,
+                                  cap, received=False)
+
+        def recv_hook() -> None:
+            if handle.received:
+                raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
+            _recv_kernel[(E_L, W, cfg.col_programs)](
+                recv, st.recv_w, st.recv_src, st.count, self._sig[_SIG_CONSUMED], st.epoch, out_x, out_w,
+                handle.row_src, per_expert, self._ctr[1], W, M, H, row, K=K, BLOCK_R=cfg.block_rows,
+                BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
+            handle.received = True
+            if not self.cuda:
+                self.check_errors()
+
+        if not defer_recv:
+            recv_hook()
+        return out_x, out_w, per_expert, handle, (recv_hook if defer_recv else None)
+
+    def combine(self, y: torch.Tensor, h: LowLatencyHandle) -> torch.Tensor:
+        """y [E_l, cap, H] (rows in the dispatch's order) -> out [T, H] = sum_k w[t, k] * y[row(t, k)]."""
+        self.state.check_live()
+        self.check_errors()
+        if not h.received:
+            raise ValueError("combine: call res.recv_hook() first; the receive half of this low-latency dispatch "
+                             "has not run, so its rows are not there yet")
+        cfg, W, M, K, H = self.cfg, self.W, self.M, self.K, self.H
+        back, row = self._staging("back", y.dtype)
+        _back_kernel[(self.E_L, cfg.col_programs)](
+            y, h.row_src, h.tokens_per_expert, back, self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED],
+            self.state.epoch, self._ctr[2], W, M, H, row, K=K, BLOCK_R=cfg.block_rows, BLOCK_H=cfg.block_h,
+            ALIGN=16 // y.element_size(), num_warps=cfg.num_warps)
+        T = h.topk_idx.shape[0]
+        out = torch.empty((T, H), dtype=y.dtype, device=y.device)
+        _reduce_kernel[(max(T, 1), cfg.col_programs)](
+            back, self._or_dummy(h.topk_idx), self._or_dummy(h.topk_weights), self._or_dummy(out),
+            self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED], self.state.epoch, self._ctr[3], T, self.E, W, H,
+            row, K=K, BLOCK_K=_P2(K), BLOCK_H=cfg.block_h, ACC=tl.float64 if y.dtype == torch.float64 else tl.float32,
+            num_warps=cfg.num_warps, enable_fp_fusion=False)
+        if not self.cuda:
+            self.check_errors()
+        return out

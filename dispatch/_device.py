@@ -1,0 +1,66 @@
+"""Device helpers the dispatch kernels share (plain `triton.jit` functions, usable on both backends).
+
+    last_program(counter_ptr)     True in exactly one program of the launch: the last to get here.
+                                  Every program's earlier stores (local and to peers) happen-before
+                                  whatever that program does next, e.g. the signal that hands the
+                                  buffers to a peer. Resets the counter for the next launch.
+    peer_offset(ptr, pe, ALIGN)   element offset from ptr to the same symmetric object on pe
+                                  (vector of pes allowed), with the alignment hint that keeps stores
+                                  through it 16-byte vectorised (heaps are page aligned).
+    wait_all(sig_ptr, value, W)   acquire-wait until sig[0..W) >= value.
+    signal_all(sig_ptr, value, W) SET sig on every rank (release: this program's stores land first).
+    record_error(err_ptr, ...)    first error wins: [code, rank, a, b, c] in the Dispatcher's error words.
+
+Error codes (DispatchErrors in dispatcher.py turns them into exceptions): 3 an expert id outside
+[-1, E) (a = token, b = id, c = E); 4 more rows for one (expert, source rank) than the low-latency
+capacity (a = global expert, b = rows wanted, c = capacity).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+import tilecomm.language as tcl
+
+ERR_BAD_EXPERT = 3
+ERR_CAPACITY = 4
+
+
+@triton.jit
+def last_program(counter_ptr):
+    tcl.fence()  # this thread's stores are ordered before the count...
+    tl.debug_barrier()  # ...for every thread of the program
+    nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    last = old == nprog - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def peer_offset(ptr, pe, ALIGN: tl.constexpr):
+    delta = (tcl.symm_at(ptr, pe).to(tl.int64) - ptr.to(tl.int64)) // (ptr.dtype.element_ty.primitive_bitwidth // 8)
+    return tl.multiple_of(delta, ALIGN)
+
+
+@triton.jit
+def wait_all(sig_ptr, value, W):
+    for r in range(0, W):
+        tcl.wait(sig_ptr + r, value, tcl.CMP_GE)
+
+
+@triton.jit
+def signal_all(sig_ptr, value, W):
+    for r in range(0, W):
+        tcl.signal(sig_ptr, value, r, tcl.SIGNAL_SET)
+
+
+@triton.jit
+def record_error(err_ptr, code, me, a, b, c):
+    if tl.load(err_ptr, volatile=True) == 0:
+        tl.store(err_ptr + 1, me.to(tl.int64))
+        tl.store(err_ptr + 2, a.to(tl.int64))
+        tl.store(err_ptr + 3, b.to(tl.int64))
+        tl.store(err_ptr + 4, c.to(tl.int64))
+        tl.store(err_ptr, code)
