@@ -55,7 +55,7 @@ class AgGemmWorkspace(OpWorkspace):
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
 
 
-@tilecomm.jit
+@tilecomm.jit(do_not_specialize=["epoch"])
 def _push_kernel(a_ptr, gather_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, m, K, stride_gm, slot_stride,
                  flag_stride, me, W, BLOCK_M: tl.constexpr):
     dest = (me + W - 1 - tl.program_id(0)) % W  # team index; it reads this shard at its step program_id(0) + 1
@@ -68,7 +68,7 @@ def _push_kernel(a_ptr, gather_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, m, 
         tcl.signal(flags_ptr + me * flag_stride + tile, epoch, dest_pe, tcl.SIGNAL_SET)
 
 
-@tilecomm.jit
+@tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_am, stride_gm, slot_stride,
                  flag_stride, stride_b, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,

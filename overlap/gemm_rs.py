@@ -53,7 +53,7 @@ class GemmRsWorkspace(OpWorkspace):
             "consumed": ((W,), torch.int64, True)})
 
 
-@tilecomm.jit
+@tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, mb, N, K, me, W,
                     tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -71,12 +71,12 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
         owner = (me + 1 + tile // per_owner) % W  # team index; its PE is pes[owner]
         t = tile % per_owner
         pid_m, pid_n = tile_position(t, tiles_m, tiles_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        acc = tile_product(a_desc, owner, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           B_TRANS, PRECISION)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (after the main loop: no registers held across it)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < mb) & (cols[None, :] < N)
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        acc = tile_product(a_desc, owner, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                           B_TRANS, PRECISION)
         if owner == me:
             for s in range(1, W):
                 src = (me + s) % W

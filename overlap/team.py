@@ -117,7 +117,7 @@ class OpWorkspace:
         self._flat, self.buffers = [], {}
 
 
-@tilecomm.jit
+@tilecomm.jit(do_not_specialize=["epoch"])
 def _release_kernel(consumed_ptr, pes_ptr, epoch, me, W):
     """SET consumed[me] = epoch on every team member: this rank is done reading the call's buffers."""
     for i in range(W):
