@@ -204,6 +204,14 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
     t = Table(on_gpu, iters)
     _collective_rows(t, s, dtype, ctx.device)
     if on_gpu:
+        from tilecomm.jit import CachedLaunch
+
+        CachedLaunch.enabled = False  # Triton's ordinary launch path, for comparison
+        x = torch.randn(s["small"], s["hidden"], device=ctx.device).to(dtype)
+        out, floor_out = torch.empty_like(x), torch.empty_like(x)
+        t.add(f"all_to_all_single {s['small']}x{s['hidden']} [Triton launch path]",
+              lambda: tilecomm.all_to_all_single(out, x), lambda: floor_out.copy_(x))
+        CachedLaunch.enabled = True
         _sweep(t, s, dtype, ctx.device, [(1, 64 << 10, 16 << 10), (2, 64 << 10, 32 << 10), (1, 128 << 10, 32 << 10),
                                          (4, 32 << 10, 16 << 10), (2, 128 << 10, 32 << 10)])
         _host_profile(s, dtype, ctx.device)

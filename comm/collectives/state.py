@@ -25,6 +25,7 @@ import torch
 import triton.language as tl
 
 from ..errors import PeerMismatchError, require
+from ..jit import CachedLaunch
 from . import _exchange as kx
 
 DEPTH = 2  # ring slots per program: a program stages chunk i + 1 while its reader copies chunk i
@@ -91,6 +92,8 @@ class CollectiveState:
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
         state = cls(ctx, P, chunk, ring, words, tables, 8 if on_gpu else 1)
         state.block_bytes = block_bytes
+        state._pairs = CachedLaunch(kx._pairs_kernel)
+        state._reduce = CachedLaunch(kx._reduce_kernel)
         state._heap_views = {}  # the heap as each element type the kernels move (views made once here)
         for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                       torch.float32, torch.float64):
@@ -164,9 +167,11 @@ class CollectiveState:
         aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and \
             all(o * elem % 16 == 0 for o in itertools.chain(send_offs, recv_offs))
         table = self.words if send is None else self._table(send, recv)
-        kx._pairs_kernel[(self.ctx.world_size * self.programs_per_peer,)](
+        even = send is None
+        self._pairs.launch(
+            (self.ctx.world_size * self.programs_per_peer,), (elem, even, gather, in_place, aligned),
             src, out, self._heap_views[move], self.words, table, self.ctx.device_state.error,
-            self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, EVEN=send is None, GATHER=gather,
+            self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, EVEN=even, GATHER=gather,
             IN_PLACE=in_place, **self._launch_config(elem, aligned))
         if send is not None:
             self._after_launch()
@@ -178,10 +183,11 @@ class CollectiveState:
         elem = src.element_size()
         in_heap_off, in_place = self._placement(src, [p * n * elem for p in range(self.ctx.world_size)])
         aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and n * elem % 16 == 0
-        kx._reduce_kernel[(self.programs_per_peer,)](
+        self._reduce.launch(
+            (self.programs_per_peer,), (src.dtype, op, average, in_place, aligned),
             src, out, self._heap_views[src.dtype], self.words, self.ctx.device_state.error,
-            self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype), AVG=average,
-            IN_PLACE=in_place, **self._launch_config(elem, aligned))
+            self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype),
+            AVG=average, IN_PLACE=in_place, **self._launch_config(elem, aligned))
         self._raise_mismatch_now()
 
     def _raise_mismatch_now(self) -> None:
