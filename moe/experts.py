@@ -127,6 +127,8 @@ class GroupedSwiGLUExperts(nn.Module):
         """Whether forward runs torch._grouped_mm for inputs of `dtype` (default: the weights')."""
         if self.impl != "auto":
             return self.impl in ("grouped", "tilecomm")
+        if torch.compiler.is_compiling() and (dtype or self.w_down.dtype) != torch.bfloat16:
+            return False  # torch._grouped_mm's fake (tracing) version takes only bf16
         return grouped_mm_works(self.w_down.device, dtype or self.w_down.dtype, self.hidden, self.ffn_hidden)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

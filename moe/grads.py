@@ -70,7 +70,10 @@ class GradReducer:
 def _squares(grads: List[torch.Tensor], device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    try:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # one launch for all (torch >= 2.4)
+    except (TypeError, RuntimeError):
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
     return torch.stack(norms).square().sum()
 
 

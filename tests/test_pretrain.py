@@ -160,3 +160,50 @@ def test_context_parallel_training_matches_one_process(ranks, tmp_path):
     one = Trainer(_model(1, "local"), MarkovSource(vocab=32, seed=3), _train_cfg(str(tmp_path / "one"), 10))
     losses_one = [r["loss"] for r in one.train()]
     torch.testing.assert_close(torch.tensor(losses_cp), torch.tensor(losses_one), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_blocks_match_eager(dtype):
+    """compile_blocks (torch.compile of each transformer block; inductor on GPUs, aot_eager on CPU
+    where inductor's C++ build takes minutes): loss, aux loss and every gradient as eager."""
+    from tilecomm.moe import cast_parameters, compile_blocks
+
+    torch._dynamo.reset()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    moe = MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, topk=2, seed=1, router=dict(aux_loss_coeff=1e-2))
+    tokens = MarkovSource(vocab=32, seed=3).batch(0, 0, 2, 16).to(device)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(**{**MODEL, "num_layers": 3}), moe_layer=lambda i: MoELayer(moe, "local"))
+        model = model.to(device)
+        cast_parameters(model, dtype)
+        if compiled:
+            compile_blocks(model, backend="inductor" if device == "cuda" else "aot_eager")
+        loss, aux = model(tokens[:, :-1], tokens[:, 1:].reshape(-1))
+        (loss + aux).backward()
+        results.append([loss, aux] + [p.grad for p in model.parameters()])
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-3)
+    for a, b in zip(*results):
+        torch.testing.assert_close(b.float(), a.float(), **tol)
+
+
+def test_fused_loss_equals_logits_loss():
+    """model(tokens, targets) (chunked LM head + cross-entropy) = cross-entropy of model(tokens)'s logits."""
+    import torch.nn.functional as F
+
+    tokens = MarkovSource(vocab=32, seed=3).batch(0, 0, 2, 16)
+    results = []
+    for fused in (False, True):
+        model = _model(1, "local")
+        if fused:
+            loss, aux = model(tokens[:, :-1], tokens[:, 1:].reshape(-1))
+        else:
+            logits, aux = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+        (loss + aux).backward()
+        results.append([loss] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="targets"):
+        _model(1, "local")(tokens[:, :-1], tokens[:, 1:])
