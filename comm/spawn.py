@@ -119,6 +119,9 @@ def _worker(rank: int, world: int, port: int, backend: str, env: Dict[str, str],
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException as err:
             _send_error(conn, err)
+            if tilecomm.is_initialized() and tilecomm.current().boot.failed is not None:
+                conn.close()  # host exchanges are broken for good: leave, so that the pool is seen dead
+                return
     try:
         tilecomm.finalize()
         dist.destroy_process_group()

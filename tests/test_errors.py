@@ -57,7 +57,6 @@ def bad_inputs():
     _expect(ValueError, "pe=", tilecomm.peer, tilecomm.empty((2,)), world)
     _expect(ValueError, "not on the symmetric heap", tilecomm.peer, torch.empty(2, device=dev()), 0)
     _expect(ValueError, "shape=", tilecomm.empty, (-1, 2))
-    _expect(MemoryError, "staging workspace", a2a, torch.empty(world * (1 << 21) * 3, device=dev()), torch.empty(world * (1 << 21) * 3, device=dev()))
     _expect(MemoryError, "heap exhausted", tilecomm.empty, (1 << 40,), torch.uint8)
     # nothing above launched a kernel, so the ranks are still in step:
     ref = torch.empty_like(x)
@@ -82,9 +81,9 @@ def test_empty_with_different_shapes_across_ranks(ranks):
 def split_disagreement():
     """Rank 1 expects 3 rows from rank 0, but rank 0 sends it 2: rank 1 must say so."""
     rank = tilecomm.rank()
-    in_splits = [2, 2] if rank == 0 else [2, 2]
-    out_splits = [2, 2] if rank == 0 else [3, 1]
-    x, out = torch.randn(4, 2, device=dev()), torch.empty(4, 2, device=dev())
+    in_splits = [2, 2]
+    out_splits = [2, 2] if rank == 0 else [3, 2]
+    x, out = torch.randn(4, 2, device=dev()), torch.empty(sum(out_splits), 2, device=dev())
     try:
         tilecomm.all_to_all_single(out, x, out_splits, in_splits)
     except PeerMismatchError as err:

@@ -76,6 +76,7 @@ def bad_pes_and_addresses(seed, n):
     tilecomm.barrier()
     # nothing above wrote anywhere: every rank's heap tensors hold what they held
     assert torch.equal(dst, poison) and torch.equal(sig, torch.zeros(world, dtype=torch.int64))
+    tilecomm.barrier()  # every rank has looked before any good put lands
     # and the checks let good calls through: a put to the next rank lands there
     _put_kernel[(1,)](dst[rank], src, n, peer)
     tilecomm.barrier()

@@ -81,6 +81,22 @@ def test_a_rank_that_skips_a_call_times_the_others_out(pool, call, label):
     assert seconds >= T * 0.9, seconds  # it did wait for the others (the only bound is RankPool's hang guard)
 
 
+def _barrier_on_rank_0():
+    if tilecomm.rank() == 0:
+        tilecomm.barrier()
+
+
+def test_a_rank_whose_host_exchange_broke_leaves_the_pool():
+    """After a host-side failure the runtime cannot continue: the rank exits, the pool is seen dead
+    (test harnesses replace it) instead of failing every later call."""
+    with tilecomm.RankPool(2, env={"TILECOMM_TIMEOUT_S": str(T), "TILECOMM_HEAP_BYTES": "16MiB"}) as p:
+        with pytest.raises(RankError, match="HostTimeoutError") as info:
+            p.run(_barrier_on_rank_0, timeout_s=60 + 2 * T)
+        assert info.value.rank == 0
+        p._procs[0].join(30)
+        assert not p.alive and p._procs[0].exitcode is not None
+
+
 def test_rendezvous_under_rank_env_honours_the_timeout(tmp_path):
     """RANK/WORLD_SIZE say 2 ranks, one starts: init gives up after TILECOMM_TIMEOUT_S, naming the rendezvous."""
     import socket
