@@ -175,14 +175,16 @@ class CachedLaunch:
         if not (self.enabled and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
             self.fn[grid](*args, **constexprs)
             return
-        spec = tuple((a.data_ptr() & 15) == 0 if isinstance(a, torch.Tensor) else (-2**31 <= a < 2**31)
-                     for a in args)
+        spec = 0  # bit i: argument i is a 16-byte aligned pointer or an int that fits int32
+        for i, a in enumerate(args):
+            if (a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else (-2147483648 <= a < 2147483648):
+                spec |= 1 << i
         kernel = self.kernels.get((key, spec))
         if kernel is None:
             self.kernels[(key, spec)] = self.fn[grid](*args, **constexprs)
             return
         runtime.check_errors()
         values = list(args) + [constexprs[n] for n in self.names[len(args):]]
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
                    kernel.packed_metadata, None, None, None, *values)

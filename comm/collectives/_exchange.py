@@ -184,21 +184,21 @@ def _combine(acc, x, OP: tl.constexpr):
 
 
 @jit
-def _reduce_span(out_ptr, heap_ptr, meta_ptr, ring_off, me, W, P, q, c, ring_slot, s, length, MASKED: tl.constexpr,
-                 OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr,
-                 BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """out[c + s : c + s + BLOCK] = op over writers p (rank order) of their chunk's elements there."""
+def _pick(vec, ps, p):
+    """vec[p] as a scalar (vec is a small per-rank vector held in registers)."""
+    return tl.sum(tl.where(ps == p, vec, 0), axis=0)
+
+
+@jit
+def _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, s, length, MASKED: tl.constexpr, OP: tl.constexpr,
+                 ACC: tl.constexpr, AVG: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """out[c + s : c + s + BLOCK] = op over writers p (rank order) of heap[src_offs[p] + s + ...]; src_offs
+    holds each writer's chunk address as an element offset from this rank's heap (peer distance included)."""
     offs = s + tl.arange(0, BLOCK)
     mask = offs < length
     acc = tl.zeros((BLOCK,), ACC)
     for p in range(0, W):
-        slot = ((me + W - p) % W) * P + q
-        remote = tcl.symm_at(meta_ptr, p) + 4 * slot
-        if tl.load(remote + 2, cache_modifier=".cg") == 0:  # staged: chunk i is in p's ring
-            src_off = ring_off + slot * DEPTH * CHUNK + ring_slot
-        else:
-            src_off = tl.load(remote, cache_modifier=".cg") + c
-        src = heap_ptr + (_peer_delta(heap_ptr, p) + src_off) // VEC * VEC
+        src = heap_ptr + _pick(src_offs, ps, p) // VEC * VEC
         if MASKED:
             x = tl.load(src + offs, mask=mask, cache_modifier=".cg").to(ACC)
         else:
@@ -214,9 +214,9 @@ def _reduce_span(out_ptr, heap_ptr, meta_ptr, ring_off, me, W, P, q, c, ring_slo
 
 
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n", "P"])
-def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr,
-                   IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
-                   VEC: tl.constexpr):
+def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
+                   OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
+                   VEC: tl.constexpr, MAX_W: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the pair slots k * P + q of every k."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
@@ -233,6 +233,13 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
         _publish(meta_ptr, ready_ptr, k * P + q, dst, in_heap_off + dst.to(tl.int64) * n64, n64, IN_PLACE, base)
     for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
         _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base)
+    # each writer's header, read once: is its data in place, and where (element offsets from my heap)
+    ps = tl.arange(0, MAX_W)
+    slots = ((me + W - ps) % W) * P + q
+    remote = tcl.symm_at(meta_ptr + 4 * slots, ps % W)
+    in_place = tl.load(remote + 2, mask=ps < W, other=1, cache_modifier=".cg")
+    base_offs = _peer_delta(heap_ptr, ps % W) + tl.where(in_place == 0, ring_off + slots * DEPTH * CHUNK,
+                                                         tl.load(remote, mask=ps < W, other=0, cache_modifier=".cg"))
     for i in range(0, _chunks_of(n64, q, P, CHUNK)):
         c = (q + i * P).to(tl.int64) * CHUNK
         length = tl.minimum(CHUNK, n64 - c)
@@ -246,20 +253,18 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
                       length, BLOCK, VEC)
                 tcl.signal(ready_ptr + slot, base + i + 1, (me + k) % W, tcl.SIGNAL_SET)
         for p in range(0, W):  # staged writers: their chunk i is in their ring
-            slot = ((me + W - p) % W) * P + q
-            if tl.load(tcl.symm_at(meta_ptr, p) + 4 * slot + 2, cache_modifier=".cg") == 0:
-                tcl.wait(ready_ptr + slot, base + i + 1, tcl.CMP_GE)
+            if _pick(in_place, ps, p) == 0:
+                tcl.wait(ready_ptr + ((me + W - p) % W) * P + q, base + i + 1, tcl.CMP_GE)
+        src_offs = base_offs + tl.where(in_place == 0, ring_slot, c)
         full = length // BLOCK * BLOCK
         for s in range(0, full, BLOCK):  # whole blocks unmasked (16-byte vectors), then the tail
-            _reduce_span(out_ptr, heap_ptr, meta_ptr, ring_off, me, W, P, q, c, ring_slot, tl.multiple_of(s, BLOCK),
-                         length, False, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
+            _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, tl.multiple_of(s, BLOCK), length, False,
+                         OP, ACC, AVG, BLOCK, VEC)
         if full < length:
-            _reduce_span(out_ptr, heap_ptr, meta_ptr, ring_off, me, W, P, q, c, ring_slot, full, length, True,
-                         OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
+            _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, full, length, True, OP, ACC, AVG, BLOCK, VEC)
         for p in range(0, W):
-            slot = ((me + W - p) % W) * P + q
-            if tl.load(tcl.symm_at(meta_ptr, p) + 4 * slot + 2, cache_modifier=".cg") == 0:
-                tcl.signal(done_ptr + slot, base + i + 1, p, tcl.SIGNAL_SET)
+            if _pick(in_place, ps, p) == 0:
+                tcl.signal(done_ptr + ((me + W - p) % W) * P + q, base + i + 1, p, tcl.SIGNAL_SET)
     for p in range(0, W):
         tcl.signal(done_ptr + ((me + W - p) % W) * P + q, last, p, tcl.SIGNAL_SET)
     for k in range(0, W):

@@ -41,10 +41,21 @@ def _check_group(what: str, group, world: int) -> None:
             f"{what}: group={ranks}; tilecomm collectives run on the world group only (None or all {world} ranks)")
 
 
+# The checks below run on every call: messages are formatted only when a check fails.
 def _check_tensor(what: str, name: str, t, device: torch.device) -> None:
-    require(isinstance(t, torch.Tensor), f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
-    require(t.device.type == device.type, f"{what}: {name} is on {t.device}, the runtime's tensors are on {device}")
-    require(t.is_contiguous(), f"{what}: {name} must be contiguous (got strides {tuple(t.stride())})")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != device.type:
+        raise ValueError(f"{what}: {name} is on {t.device}, the runtime's tensors are on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: {name} must be contiguous (got strides {tuple(t.stride())})")
+    if t.dtype not in _MOVABLE:
+        raise TypeError(f"{what}: {name} has dtype {t.dtype}; expected one of {sorted(str(d) for d in _MOVABLE)}")
+
+
+_MOVABLE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+            torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
+            torch.complex128}
 
 
 def _check_call(what: str, group, out_name: str, out, in_name: str, inp):
@@ -53,18 +64,23 @@ def _check_call(what: str, group, out_name: str, out, in_name: str, inp):
     _check_group(what, group, ctx.world_size)
     _check_tensor(what, out_name, out, ctx.device)
     _check_tensor(what, in_name, inp, ctx.device)
-    require(out.dtype == inp.dtype, f"{what}: {out_name} dtype {out.dtype} != {in_name} dtype {inp.dtype}", TypeError)
+    if out.dtype != inp.dtype:
+        raise TypeError(f"{what}: {out_name} dtype {out.dtype} != {in_name} dtype {inp.dtype}")
     return ctx
 
 
 def _splits(what: str, name: str, splits: Optional[Sequence[int]], dim0: int, world: int) -> List[int]:
     if splits is None or len(splits) == 0:
-        require(dim0 % world == 0, f"{what}: {name} is None, so dim 0 ({dim0}) must divide by the world size ({world})")
+        if dim0 % world:
+            raise ValueError(f"{what}: {name} is None, so dim 0 ({dim0}) must divide by the world size ({world})")
         return [dim0 // world] * world
     splits = [int(s) for s in splits]
-    require(len(splits) == world, f"{what}: {name} has {len(splits)} entries; expected one per rank ({world})")
-    require(all(s >= 0 for s in splits), f"{what}: {name}={splits} has a negative entry")
-    require(sum(splits) == dim0, f"{what}: {name}={splits} sums to {sum(splits)}, but the tensor's dim 0 is {dim0}")
+    if len(splits) != world:
+        raise ValueError(f"{what}: {name} has {len(splits)} entries; expected one per rank ({world})")
+    if min(splits) < 0:
+        raise ValueError(f"{what}: {name}={splits} has a negative entry")
+    if sum(splits) != dim0:
+        raise ValueError(f"{what}: {name}={splits} sums to {sum(splits)}, but the tensor's dim 0 is {dim0}")
     return splits
 
 
@@ -115,8 +131,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     """torch.distributed.all_to_all_single on the tilecomm runtime (see the package docstring)."""
     what = "tilecomm.all_to_all_single"
     ctx = _check_call(what, group, "output", output, "input", input)
-    require(output.dim() >= 1 and input.dim() >= 1 and output.shape[1:] == input.shape[1:],
-            f"{what}: output {tuple(output.shape)} and input {tuple(input.shape)} must agree past dim 0")
+    if not (output.dim() >= 1 and input.dim() >= 1 and output.shape[1:] == input.shape[1:]):
+        raise ValueError(f"{what}: output {tuple(output.shape)} and input {tuple(input.shape)} must agree past dim 0")
     in_splits = _splits(what, "input_split_sizes", input_split_sizes, input.shape[0], ctx.world_size)
     out_splits = _splits(what, "output_split_sizes", output_split_sizes, output.shape[0], ctx.world_size)
     if input.requires_grad and torch.is_grad_enabled():
@@ -170,9 +186,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     """torch.distributed.all_gather_into_tensor: output is world× input along dim 0 (or flat), rank order."""
     what = "tilecomm.all_gather_into_tensor"
     ctx = _check_call(what, group, "output_tensor", output_tensor, "input_tensor", input_tensor)
-    require(output_tensor.numel() == ctx.world_size * input_tensor.numel(),
-            f"{what}: output_tensor has {output_tensor.numel()} elements; expected world_size ({ctx.world_size}) × "
-            f"input_tensor's {input_tensor.numel()}")
+    if output_tensor.numel() != ctx.world_size * input_tensor.numel():
+        raise ValueError(f"{what}: output_tensor has {output_tensor.numel()} elements; expected world_size "
+                         f"({ctx.world_size}) × input_tensor's {input_tensor.numel()}")
     if input_tensor.requires_grad and torch.is_grad_enabled():
         output_tensor.copy_(_AllGather.apply(input_tensor, tuple(output_tensor.shape)))
     else:
@@ -186,18 +202,20 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     op: SUM, AVG, MAX, MIN or PRODUCT; floating inputs accumulate in fp32 (fp64 stays fp64)."""
     what = "tilecomm.reduce_scatter_tensor"
     ctx = _check_call(what, group, "output", output, "input", input)
-    require(op in _REDUCE_OPS, f"{what}: op={op}; expected ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
-    require(output.dtype not in (torch.bool, torch.float8_e4m3fn, torch.float8_e5m2),
-            f"{what}: dtype {output.dtype} cannot be reduced; use a floating or integer dtype", TypeError)
-    require(not (op == ReduceOp.AVG and not (output.dtype.is_floating_point or output.dtype.is_complex)),
-            f"{what}: op=AVG needs a floating dtype (got {output.dtype}): an integer average would round; "
-            "use SUM and divide", TypeError)
-    require(not (output.is_complex() and op not in (ReduceOp.SUM, ReduceOp.AVG)),
-            f"{what}: complex tensors reduce with SUM or AVG only (got {op})", TypeError)
-    require(input.numel() == ctx.world_size * output.numel(),
-            f"{what}: input has {input.numel()} elements; expected world_size ({ctx.world_size}) × output's {output.numel()}")
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"{what}: op={op}; expected ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
+    if output.dtype in (torch.bool, torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{what}: dtype {output.dtype} cannot be reduced; use a floating or integer dtype")
+    if op == ReduceOp.AVG and not (output.dtype.is_floating_point or output.dtype.is_complex):
+        raise TypeError(f"{what}: op=AVG needs a floating dtype (got {output.dtype}): an integer average would round; use SUM and divide")
+    if output.is_complex() and op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise TypeError(f"{what}: complex tensors reduce with SUM or AVG only (got {op})")
+    if input.numel() != ctx.world_size * output.numel():
+        raise ValueError(f"{what}: input has {input.numel()} elements; expected world_size ({ctx.world_size}) × "
+                         f"output's {output.numel()}")
     if input.requires_grad and torch.is_grad_enabled():
-        require(op == ReduceOp.SUM, f"{what}: autograd is defined for op=SUM only, got {op}")
+        if op != ReduceOp.SUM:
+            raise ValueError(f"{what}: autograd is defined for op=SUM only, got {op}")
         output.copy_(_ReduceScatter.apply(input, tuple(output.shape)))
     else:
         _reduce_scatter(output, input, op)

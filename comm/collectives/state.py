@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import triton
 import triton.language as tl
 
 from ..errors import PeerMismatchError, require
@@ -30,9 +31,12 @@ from . import _exchange as kx
 
 DEPTH = 2  # ring slots per program: a program stages chunk i + 1 while its reader copies chunk i
 TABLE_SLOTS = 64
-_GPU_CHUNK_BYTES = 32 << 10  # 16 KiB per load step, two steps per chunk; the whole ring stays in L2
+# GPU tuning, from the sweep of `python -m tilecomm.bench self` (one H100, 2026-11-25): one program per SM,
+# 128 KiB chunks (a 34 MiB ring on 132 SMs, within L2) and 32 KiB steps (128 bytes in flight per thread).
+_GPU_PROGRAMS_PER_SM = 1
+_GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
-_BLOCK_BYTES = 16 << 10  # bytes per load/store step of a program: 64 bytes in flight per thread (8 warps)
+_BLOCK_BYTES = 32 << 10
 # Element types moved bit for bit as an integer of the same width (all_to_all, all_gather).
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -63,7 +67,7 @@ class CollectiveState:
     _last_table: int = 0
 
     @classmethod
-    def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = 2, chunk_bytes: Optional[int] = None,
+    def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES) -> "CollectiveState":
         """programs_per_sm, chunk_bytes, block_bytes: the tuning knobs (GPU; the benchmark sweeps them)."""
         W, heap = ctx.world_size, ctx.heap
@@ -187,7 +191,8 @@ class CollectiveState:
             (self.programs_per_peer,), (src.dtype, op, average, in_place, aligned),
             src, out, self._heap_views[src.dtype], self.words, self.ctx.device_state.error,
             self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype),
-            AVG=average, IN_PLACE=in_place, **self._launch_config(elem, aligned))
+            AVG=average, IN_PLACE=in_place, MAX_W=triton.next_power_of_2(self.ctx.world_size),
+            **self._launch_config(elem, aligned))
         self._raise_mismatch_now()
 
     def _raise_mismatch_now(self) -> None:
