@@ -22,8 +22,8 @@ import triton.language as tl
 
 import tilecomm.language as tcl
 
-ERR_BAD_EXPERT = 3
-ERR_CAPACITY = 4
+ERR_BAD_EXPERT = tl.constexpr(3)
+ERR_CAPACITY = tl.constexpr(4)
 
 
 @triton.jit

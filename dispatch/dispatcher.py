@@ -15,8 +15,9 @@ gradients (and returns each row's weight gradient to its token), combine's backw
 State: the Dispatcher allocates its symmetric buffers and signal words once, here (collective:
 construct it on every rank in the same order with the same arguments; a mismatch raises
 PeerMismatchError naming both ranks), sized from (num_experts, hidden, max_tokens_per_rank, topk,
-dtype, world size) -- see buffers.py for the sizes. No call allocates symmetric memory. `free()` gives
-the buffers back (collective); `tilecomm.finalize()` releases them too (later calls raise).
+dtype, world size) -- see buffers.py for the sizes -- or shares another Dispatcher's (`buffers=`). No call
+allocates symmetric memory. `free()` gives the buffers back (collective); `tilecomm.finalize()` releases
+them too (later calls raise).
 
 Streams: every call runs on the current stream and returns after queuing its kernels; normal-mode
 dispatch synchronises the host once (the received row count sizes res.x), combine never. With
@@ -93,7 +94,8 @@ class Dispatcher:
     """See the module docstring. Arguments are checked on every call, before any kernel runs."""
 
     def __init__(self, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, group=None, mode: str = "normal", backend: str = "tilecomm"):
+                 dtype: torch.dtype = torch.bfloat16, group=None, mode: str = "normal", backend: str = "tilecomm",
+                 buffers=None):
         if backend not in ("tilecomm", "nccl"):
             raise ValueError(f"Dispatcher: backend={backend!r}; expected 'tilecomm' or 'nccl'")
         if backend == "tilecomm":
@@ -124,7 +126,13 @@ class Dispatcher:
         self.mode, self.backend = mode, backend
         self._stream = None
         shape = (num_experts, hidden, max_tokens_per_rank, topk, dtype)
-        if mode == "low_latency":
+        if buffers is not None:
+            kind = LowLatencyEngine if mode == "low_latency" else FusedEngine
+            if not isinstance(buffers, kind) or (buffers.E, buffers.H, buffers.M, buffers.K, buffers.dtype) != shape:
+                raise ValueError("Dispatcher: buffers= must be the .buffers of a Dispatcher with the same num_experts, "
+                                 "hidden, max_tokens_per_rank, topk, dtype and mode (backend 'tilecomm')")
+            self._engine = buffers
+        elif mode == "low_latency":
             self._engine = LowLatencyEngine(*shape)
         elif backend == "tilecomm":
             self._engine = FusedEngine(*shape)
@@ -146,8 +154,17 @@ class Dispatcher:
                     raise PeerMismatchError(f"Dispatcher: rank {self.rank} has {name}={a!r}, rank {r} has {name}={b!r}; "
                                             "every rank must construct it with the same arguments")
 
+    @property
+    def buffers(self):
+        """The symmetric state this Dispatcher uses (normal.FusedEngine / low_latency.LowLatencyEngine; None
+        for backend 'nccl'). Pass it as `buffers=` to another Dispatcher of the same shape to share it: the
+        MoE layers of a model dispatch one after another, so one set of buffers serves them all (calls of
+        Dispatchers sharing buffers must not overlap, e.g. on two async_op streams)."""
+        return self._engine if self.backend == "tilecomm" else None
+
     def free(self) -> None:
-        """Collective: return the symmetric buffers (waits for this rank's kernels). Later calls raise."""
+        """Collective: return the symmetric buffers (waits for this rank's kernels). Later calls raise, also
+        those of Dispatchers sharing them."""
         if hasattr(self._engine, "free"):
             self._engine.free()
 

@@ -35,6 +35,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm.jit import CachedLaunch
 
 from ._device import ERR_BAD_EXPERT, ERR_CAPACITY, last_program, peer_offset, record_error, signal_all, wait_all
 from .buffers import SymmetricState, low_latency_specs, row_bytes
@@ -235,9 +236,9 @@ class LowLatencyHandle:
 def raise_device_error(words) -> None:
     """Turn the Dispatcher's device error words [code, rank, a, b, c] into an exception (code 0: none)."""
     code, rank, a, b, c = (int(v) for v in words[:5])
-    if code == ERR_BAD_EXPERT:
+    if code == ERR_BAD_EXPERT.value:
         raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
-    if code == ERR_CAPACITY:
+    if code == ERR_CAPACITY.value:
         raise ValueError(f"rank {rank}: low-latency dispatch sent {b} rows to expert {a}, more than its capacity of "
                          f"{c} rows per (expert, source rank) (max_tokens_per_rank; a token naming the same expert "
                          "twice counts twice); the rows past the capacity were not sent (found on the device)")
@@ -248,10 +249,15 @@ def raise_device_error(words) -> None:
 _P2 = triton.next_power_of_2
 
 
+def _int_spec(*values) -> tuple:
+    """What Triton specialises an int argument on (== 1, divisible by 16): part of a CachedLaunch key."""
+    return tuple((v == 1) + 2 * (v % 16 == 0) for v in values)
+
+
 class LowLatencyEngine:
     """Low-latency dispatch/combine over buffers made once here (collective). Device errors (bad expert
-    ids, capacity overflow) are recorded by the kernels and raised at the next call (on CPU ranks at the
-    end of the call)."""
+    ids, capacity overflow) are recorded by the kernels and raised by the next call, before its kernels
+    (every rank that recorded one raises; ranks that did not go on into the collective call)."""
 
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype):
         ctx = tilecomm.current()
@@ -270,6 +276,10 @@ class LowLatencyEngine:
         self._err = torch.zeros(8, dtype=torch.int64, pin_memory=self.cuda)  # written by the kernels
         self._err_words = self._err.numpy()
         self._dummies, self._typed_views = {}, {}
+        # hot path: launch through the compiled kernels (no per-call Triton binding); keys below
+        self._send, self._recv, self._back, self._reduce = (CachedLaunch(k) for k in (_send_kernel, _recv_kernel,
+                                                                                       _back_kernel, _reduce_kernel))
+        self._spec = _int_spec(num_experts, num_experts // W, W, max_tokens, hidden)
 
     def free(self) -> None:
         self.state.free()
@@ -308,8 +318,9 @@ class LowLatencyEngine:
         topk, weights = topk_idx.contiguous(), topk_weights.float().contiguous()
         recv, row = self._staging("recv", x.dtype)
         back, _ = self._staging("back", x.dtype)
-        _send_kernel[(max(T, 1), cfg.col_programs)](
-            self._or_dummy(x), self._or_dummy(topk), self._or_dummy(weights), recv, st.recv_w, st.recv_src, st.count,
+        key = (x.dtype, topk.dtype, self._spec, _int_spec(T))
+        self._send.launch(
+            (max(T, 1), cfg.col_programs), key, self._or_dummy(x), self._or_dummy(topk), self._or_dummy(weights), recv, st.recv_w, st.recv_src, st.count,
             self._sig[_SIG_CONSUMED], st.epoch, back, self._err, self._ctr[0], T, self.E, E_L, W, M, H, row, K=K,
             BLOCK_K=_P2(K), BLOCK_C=256, BLOCK_EL=_P2(E_L), BLOCK_H=cfg.block_h, ALIGN=16 // x.element_size(),
             num_warps=cfg.num_warps)
@@ -322,13 +333,11 @@ class LowLatencyEngine:
         def recv_hook() -> None:
             if handle.received:
                 raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
-            _recv_kernel[(E_L, W, cfg.col_programs)](
-                recv, st.recv_w, st.recv_src, st.count, self._sig[_SIG_CONSUMED], st.epoch, out_x, out_w,
+            self._recv.launch(
+                (E_L, W, cfg.col_programs), (x.dtype, self._spec), recv, st.recv_w, st.recv_src, st.count, self._sig[_SIG_CONSUMED], st.epoch, out_x, out_w,
                 handle.row_src, per_expert, self._ctr[1], W, M, H, row, K=K, BLOCK_R=cfg.block_rows,
                 BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
             handle.received = True
-            if not self.cuda:
-                self.check_errors()
 
         if not defer_recv:
             recv_hook()
@@ -343,17 +352,16 @@ class LowLatencyEngine:
                              "has not run, so its rows are not there yet")
         cfg, W, M, K, H = self.cfg, self.W, self.M, self.K, self.H
         back, row = self._staging("back", y.dtype)
-        _back_kernel[(self.E_L, cfg.col_programs)](
-            y, h.row_src, h.tokens_per_expert, back, self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED],
+        self._back.launch(
+            (self.E_L, cfg.col_programs), (y.dtype, self._spec), y, h.row_src, h.tokens_per_expert, back, self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED],
             self.state.epoch, self._ctr[2], W, M, H, row, K=K, BLOCK_R=cfg.block_rows, BLOCK_H=cfg.block_h,
             ALIGN=16 // y.element_size(), num_warps=cfg.num_warps)
         T = h.topk_idx.shape[0]
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
-        _reduce_kernel[(max(T, 1), cfg.col_programs)](
-            back, self._or_dummy(h.topk_idx), self._or_dummy(h.topk_weights), self._or_dummy(out),
+        self._reduce.launch(
+            (max(T, 1), cfg.col_programs), (y.dtype, h.topk_idx.dtype, self._spec, _int_spec(T)), back,
+            self._or_dummy(h.topk_idx), self._or_dummy(h.topk_weights), self._or_dummy(out),
             self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED], self.state.epoch, self._ctr[3], T, self.E, W, H,
             row, K=K, BLOCK_K=_P2(K), BLOCK_H=cfg.block_h, ACC=tl.float64 if y.dtype == torch.float64 else tl.float32,
             num_warps=cfg.num_warps, enable_fp_fusion=False)
-        if not self.cuda:
-            self.check_errors()
         return out

@@ -42,7 +42,7 @@ import tilecomm.language as tcl
 from ._device import last_program, peer_offset, signal_all, wait_all
 from .buffers import SymmetricState, normal_specs, row_bytes
 
-_BIG = 2 ** 63 - 1
+_BIG = tl.constexpr(2 ** 63 - 1)
 
 
 @dataclass(frozen=True)
@@ -368,7 +368,7 @@ class FusedEngine:
         self.bt = max(1, min(16, self.cfg.pairs_per_program // _P2(topk)))  # route/send tokens per program
         self._counts = torch.zeros((triton.cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
         self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-        self._minmax = torch.tensor([_BIG, -_BIG], dtype=torch.int64, device=dev)
+        self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
         counters = torch.zeros(5, dtype=torch.int32, device=dev)
         self._ctr = [counters[i:i + 1] for i in range(5)]
         self._sig = [self.state.sig[i] for i in range(5)]

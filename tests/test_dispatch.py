@@ -1,7 +1,12 @@
-"""Dispatcher against an independent global reference, on 2, 3 and 4 CPU ranks, both backends."""
+"""Dispatcher against an independent global reference, on 2, 3 and 4 CPU ranks, both backends; random
+routing loops against the torch reference (bit for bit); device-side errors; buffer reuse.
+
+TILECOMM_TEST_ITERS sets the random-loop iterations per world size and mode (CPU default: 6; a GPU run
+can afford 1000)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -10,6 +15,15 @@ import torch.distributed as dist
 import tilecomm
 from _reference import dev
 from tilecomm.dispatch import Dispatcher, compute_layout, layout_reference
+from tilecomm.dispatch.reference import combine_pairs_reference
+from tilecomm.errors import PeerMismatchError
+
+ITERS = int(os.environ.get("TILECOMM_TEST_ITERS", "6"))
+
+
+def _sync():
+    if tilecomm.current().backend == "cuda":
+        torch.cuda.synchronize()
 
 
 def _routing(T, K, E, gen, drop=0.2, only_expert=None):
@@ -80,6 +94,7 @@ def dispatch_combine_body(seed, T_by_rank, H, K, E, dtype, backend, routing):
     expect = x.double() * coef.double()[:, None]
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double().cpu(), expect.cpu(), rtol=tol, atol=tol)
+    d.free()
     return res.x.shape[0]
 
 
@@ -131,29 +146,101 @@ def test_gradients_match_local_autograd(ranks, world, backend):
     ranks(world).run(gradients_body, 5, 6, 8, 3, 3 * world, backend)
 
 
-def backends_agree_body(iters, world_seed):
-    """Many random routings: the tilecomm and nccl backends give identical rows and combines."""
+def _random_inputs(own, T, H, K, E, distinct):
+    """x [T, H]; topk_idx with -1s and (unless distinct) repeated experts; weights."""
+    x = torch.randn(T, H, generator=own)
+    if distinct:
+        idx = torch.stack([torch.randperm(E, generator=own)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+    else:
+        idx = torch.randint(0, E, (T, K), generator=own)
+    idx[torch.rand(T, K, generator=own) < 0.25] = -1
+    return x.to(dev()), idx.to(dev()), torch.rand(T, K, generator=own).to(dev())
+
+
+def _check_normal(fast, ref, x, idx, w, it, async_op):
+    a, b = fast.dispatch(x, idx, w, async_op=async_op), ref.dispatch(x, idx, w)
+    if a.work is not None:
+        a.work.wait()
+    for name in ("x", "weights", "tokens_per_expert"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), f"iteration {it}: dispatch res.{name} differs"
+    y = a.x * 2 + 1
+    assert torch.equal(fast.combine(y, a.handle), ref.combine(y, b.handle)), f"iteration {it}: combine differs"
+
+
+def _check_low_latency(fast, ref, x, idx, w, it, hook):
     rank, world = tilecomm.rank(), tilecomm.world_size()
-    shared = torch.Generator().manual_seed(world_seed)  # E and K agree across ranks; T does not
-    own = torch.Generator().manual_seed(world_seed * 1000 + rank)
-    for it in range(iters):
+    a, b = fast.dispatch(x, idx, w, return_recv_hook=hook), ref.dispatch(x, idx, w)
+    if a.recv_hook is not None:
+        a.recv_hook()
+    counts = a.tokens_per_expert.tolist()
+    assert counts == b.tokens_per_expert.tolist(), f"iteration {it}: counts differ"
+    assert torch.equal(torch.cat([a.x[e, :n] for e, n in enumerate(counts)]), b.x), f"iteration {it}: rows differ"
+    assert torch.equal(torch.cat([a.weights[e, :n] for e, n in enumerate(counts)]), b.weights)
+    e_local = fast.num_local_experts
+    scale = 1.0 + (torch.arange(e_local, device=x.device) + rank * e_local).float()
+    out = fast.combine((a.x.float() * scale[:, None, None]).to(x.dtype), a.handle)  # expert e: x * (1 + e)
+    pair_rows = (x.float()[:, None, :] * (1.0 + idx.clamp(min=0).float())[:, :, None]).to(x.dtype)
+    assert torch.equal(out, combine_pairs_reference(pair_rows, w, idx >= 0, x.dtype)), f"iteration {it}: combine differs"
+
+
+def random_loop_body(mode, iters, seed):
+    """Random shapes (E, K, H, capacity per Dispatcher) and per call (uneven T, zero-token ranks, -1 ids;
+    repeated experts in normal mode): the tilecomm kernels equal the torch reference bit for bit, over
+    back-to-back calls that reuse the Dispatcher's buffers."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    shared = torch.Generator().manual_seed(seed)  # shapes agree across ranks; T and routing do not
+    own = torch.Generator().manual_seed(seed * 1000 + rank)
+    configs = max(2, iters // 100)
+    for c in range(configs):
         E = world * int(torch.randint(1, 4, (1,), generator=shared))
-        K = int(torch.randint(1, min(E, 8) + 1, (1,), generator=shared))
-        T = int(torch.randint(0, 6, (1,), generator=own))
-        x, idx, w = _inputs(it * 97 + rank, T, 4, K, E, torch.float32)
-        outs = []
-        for backend in ("tilecomm", "nccl"):
-            d = Dispatcher(E, 4, 8, K, torch.float32, backend=backend)
-            res = d.dispatch(x, idx, w)
-            outs.append((res.x, res.weights, res.tokens_per_expert, d.combine(res.x * 2, res.handle)))
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), f"iteration {it}: backends disagree"
-        expect = x * (2 * torch.where(idx >= 0, w, 0.0).sum(1))[:, None]
-        torch.testing.assert_close(outs[0][3], expect, rtol=1e-5, atol=1e-5)
+        K = int(torch.randint(1, min(E, 6) + 1, (1,), generator=shared))
+        H = 4 * int(torch.randint(1, 6, (1,), generator=shared))
+        M = int(torch.randint(1, 7, (1,), generator=shared))
+        fast = Dispatcher(E, H, M, K, torch.float32, mode=mode)
+        ref = Dispatcher(E, H, M, K, torch.float32, backend="nccl")
+        for it in range(c * iters // configs, (c + 1) * iters // configs):
+            T = 0 if torch.rand(1, generator=own) < 0.2 else int(torch.randint(0, M + 1, (1,), generator=own))
+            x, idx, w = _random_inputs(own, T, H, K, E, distinct=mode == "low_latency")
+            if mode == "normal":
+                _check_normal(fast, ref, x, idx, w, it, async_op=bool(it % 3 == 1))
+            else:
+                with torch.no_grad():
+                    _check_low_latency(fast, ref, x, idx, w, it, hook=bool(it % 2))
+        fast.free()
+        ref.free()
 
 
-def test_random_routing_loop_backends_agree(ranks):
-    ranks(2).run(backends_agree_body, 200, 3)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_random_routing_loop_matches_reference(ranks, world, mode):
+    ranks(world).run(random_loop_body, mode, ITERS, 7 * world)
+
+
+def outstanding_handles_body(mode):
+    """Two dispatches before their combines, combined in reverse order (normal mode: the first twice)."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    E, H, K, M = 3 * world, 8, 2, 5
+    own = torch.Generator().manual_seed(11 + rank)
+    fast = Dispatcher(E, H, M, K, torch.float32, mode=mode)
+    ref = Dispatcher(E, H, M, K, torch.float32, backend="nccl")
+    calls = [_random_inputs(own, M - i, H, K, E, distinct=True) for i in range(2)]
+    with torch.no_grad():
+        got = [fast.dispatch(*c) for c in calls]
+        want = [ref.dispatch(*c) for c in calls]
+        for i in (1, 0, 0):
+            if mode == "normal":
+                assert torch.equal(fast.combine(got[i].x, got[i].handle), ref.combine(want[i].x, want[i].handle))
+            else:
+                x, idx, w = calls[i]
+                out = fast.combine(got[i].x, got[i].handle)
+                assert torch.equal(out, combine_pairs_reference(x[:, None, :].expand(-1, K, -1), w, idx >= 0, x.dtype))
+    fast.free()
+    ref.free()
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_outstanding_handles(ranks, mode):
+    ranks(3).run(outstanding_handles_body, mode)
 
 
 def layout_body():
@@ -172,11 +259,12 @@ def test_layout_kernel_matches_reference():
 def bad_dispatch_inputs():
     world = tilecomm.world_size()
     d = Dispatcher(4 * world, 8, 5, 2, torch.float32)
-    x, idx, w = torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    x, idx, w = torch.randn(3, 8, device=dev()), torch.zeros(3, 2, dtype=torch.int64, device=dev()), torch.rand(3, 2, device=dev())
     cases = [
-        (ValueError, "hidden=8", (torch.randn(3, 7), idx, w)),
+        (ValueError, "hidden=8", (torch.randn(3, 7, device=dev()), idx, w)),
         (TypeError, "made for", (x.double(), idx, w)),
-        (ValueError, "max_tokens_per_rank", (torch.randn(6, 8), torch.zeros(6, 2, dtype=torch.int64), torch.rand(6, 2))),
+        (ValueError, "max_tokens_per_rank", (torch.randn(6, 8, device=dev()), torch.zeros(6, 2, dtype=torch.int64, device=dev()),
+                                             torch.rand(6, 2, device=dev()))),
         (ValueError, "topk=2", (x, idx[:, :1], w)),
         (TypeError, "int32 or int64", (x, idx.float(), w)),
         (ValueError, r"\[-1, ", (x, idx - 2, w)),
@@ -192,11 +280,20 @@ def bad_dispatch_inputs():
         Dispatcher(4 * world, 8, 5, 2, mode="low_latency", backend="nccl")
     with pytest.raises(ValueError, match="mode="):
         Dispatcher(4 * world, 8, 5, 2, mode="fast")
-    res = d.dispatch(x, idx, w)
+    res = d.dispatch(x, idx, w)  # the bad calls above left the Dispatcher in step with its peers
+    torch.testing.assert_close(d.combine(res.x, res.handle), x * w.sum(1, keepdim=True) * (idx[:, :1] >= 0))
     with pytest.raises(ValueError, match="combine: y must be"):
-        d.combine(torch.randn(res.x.shape[0] + 1, 8), res.handle)
+        d.combine(torch.randn(res.x.shape[0] + 1, 8, device=dev()), res.handle)
+    with pytest.raises(TypeError, match="no wider than"):
+        d.combine(res.x.double(), res.handle)
     with pytest.raises(ValueError, match="handle"):
         d.combine(res.x, object())
+    d.free()
+    with pytest.raises(RuntimeError, match="freed"):
+        d.dispatch(x, idx, w)
+    other = 4 * world if tilecomm.rank() else 8 * world  # rank 0 disagrees with the others
+    with pytest.raises(PeerMismatchError, match=r"rank \d has num_experts=\d+, rank \d has num_experts=\d+"):
+        Dispatcher(other, 8, 5, 2, torch.float32)
 
 
 def test_bad_dispatch_inputs(ranks):
@@ -237,21 +334,108 @@ def test_low_latency_bf16_top8(ranks):
     ranks(2).run(low_latency_body, 4, [6, 4], 16, 8, 10, torch.bfloat16, 2)
 
 
-def low_latency_bad_expert_id():
+def low_latency_device_error_body(kind):
+    """An expert id out of range, or more rows for one (expert, source) than the capacity (a token naming
+    the same expert twice), is found on the device: nothing is written past the capacity, the next call
+    raises naming the rank, and the Dispatcher stays usable. Every rank errs (a rank that raises leaves
+    its peers' collective call waiting)."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    E, H, M, K = 2 * world, 8, 4, 2
+    d = Dispatcher(E, H, M, K, torch.float32, mode="low_latency")
+    x = torch.arange(M * H, dtype=torch.float32, device=dev()).view(M, H) + 100 * rank
+    w = torch.rand(M, K, device=dev())
+    if kind == "bad_id":
+        idx = torch.full((M, K), -1, dtype=torch.int64, device=dev())
+        idx[1, 1] = E + rank
+    else:  # every token names expert E - 1 twice: 2 * M rows for a capacity of M
+        idx = torch.full((M, K), E - 1, dtype=torch.int64, device=dev())
+    with torch.no_grad():
+        res = d.dispatch(x, idx, w)
+        _sync()
+        counts = res.tokens_per_expert.tolist()
+        if kind == "capacity" and rank == world - 1:  # the first M pairs of every source, in (token, k) order
+            gathered = [None] * world
+            dist.all_gather_object(gathered, x.cpu())
+            want = torch.cat([g[torch.arange(M) // K] for g in gathered])
+            assert counts[-1] == world * M and torch.equal(res.x[-1, : world * M].cpu(), want)
+        elif kind == "capacity":
+            dist.all_gather_object([None] * world, x.cpu())
+        with pytest.raises(ValueError) as err:
+            d.combine(res.x, res.handle)
+        want_msg = f"rank {rank}: token 1 has expert id {E + rank}" if kind == "bad_id" else \
+            f"rank {rank}: low-latency dispatch sent {2 * M} rows to expert {E - 1}, more than its capacity of {M}"
+        assert want_msg in str(err.value), str(err.value)
+        own = torch.Generator().manual_seed(rank)
+        ref = Dispatcher(E, H, M, K, torch.float32, backend="nccl")
+        _check_low_latency(d, ref, *_random_inputs(own, M, H, K, E, distinct=True), it=0, hook=False)
+    d.free()
+    ref.free()
+
+
+@pytest.mark.parametrize("kind", ["bad_id", "capacity"])
+def test_low_latency_device_errors(ranks, kind):
+    ranks(2).run(low_latency_device_error_body, kind)
+
+
+def low_latency_combine_before_hook():
     world = tilecomm.world_size()
     d = Dispatcher(2 * world, 4, 3, 1, torch.float32, mode="low_latency")
-    bad = torch.full((2, 1), 2 * world if tilecomm.rank() == 0 else 0, dtype=torch.int64)
-    try:
-        with torch.no_grad():
-            d.dispatch(torch.randn(2, 4), bad, torch.rand(2, 1))
-    except ValueError as err:
-        return str(err)
-    return None
+    x, idx, w = _random_inputs(torch.Generator().manual_seed(1), 3, 4, 1, 2 * world, distinct=True)
+    with torch.no_grad():
+        res = d.dispatch(x, idx, w, return_recv_hook=True)
+        with pytest.raises(ValueError, match="recv_hook"):
+            d.combine(res.x, res.handle)
+        res.recv_hook()
+        with pytest.raises(ValueError, match="once"):
+            res.recv_hook()
+        torch.testing.assert_close(d.combine(res.x, res.handle), x * torch.where(idx >= 0, w, 0.0))
+    d.free()
 
 
-def test_low_latency_reports_bad_expert_ids(ranks):
-    results = ranks(2).run(low_latency_bad_expert_id)
-    assert results[1] is None and "expert id 4" in results[0], results
+def test_low_latency_combine_before_recv_hook_raises(ranks):
+    ranks(2).run(low_latency_combine_before_hook)
+
+
+def low_latency_graph_body():
+    """Low-latency dispatch + combine captured in one CUDA graph replays the eager results on new inputs."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    E, H, M, K, dtype = 4 * world, 64, 8, 3, torch.bfloat16
+    d = Dispatcher(E, H, M, K, dtype, mode="low_latency")
+    own = torch.Generator().manual_seed(rank)
+    x, idx, w = (t.clone() for t in _random_inputs(own, M, H, K, E, distinct=True))
+    x = x.to(dtype)
+    scale = 1.0 + (torch.arange(E // world, device=x.device) + rank * (E // world)).float()
+    with torch.no_grad():
+        def step():
+            res = d.dispatch(x, idx, w)
+            return res, d.combine((res.x.float() * scale[:, None, None]).to(dtype), res.handle)
+        step()
+        torch.cuda.synchronize()
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            g_res, g_out = step()
+        torch.cuda.current_stream().wait_stream(side)
+        for _ in range(3):
+            nx, nidx, nw = _random_inputs(own, M, H, K, E, distinct=True)
+            x.copy_(nx.to(dtype)), idx.copy_(nidx), w.copy_(nw)
+            graph.replay()
+            torch.cuda.synchronize()
+            e_res, e_out = step()
+            counts = e_res.tokens_per_expert.tolist()
+            assert g_res.tokens_per_expert.tolist() == counts
+            for e, n in enumerate(counts):
+                assert torch.equal(g_res.x[e, :n], e_res.x[e, :n])
+            assert torch.equal(g_out, e_out)
+    d.free()
+
+
+def test_low_latency_cuda_graph(ranks):
+    from conftest import BACKEND
+
+    if BACKEND != "cuda":
+        pytest.skip("CUDA graphs need GPU ranks (TILECOMM_TEST_BACKEND=cuda)")
+    ranks(2).run(low_latency_graph_body)
 
 
 def fp8_body(seed, T_by_rank, H, K, E, backend):

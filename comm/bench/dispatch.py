@@ -174,7 +174,7 @@ def run_rank(cfg: DispatchConfig) -> List[dict]:
     ds = {b: Dispatcher(cfg.experts, cfg.hidden, cfg.tokens, cfg.topk, _DTYPES[cfg.dtype], mode="normal", backend=b)
           for b in BACKENDS}
     res, y = _verify(ds, x, idx, w, cuda)
-    splits = res["nccl"].handle.send_splits
+    splits = res["nccl"].handle.plan.send_splits
     pairs = statistics.mean(_gather(sum(splits) - splits[rank]))
     if rank == 0:
         print(_header(cfg, pairs, base, ctx.backend), flush=True)
@@ -185,4 +185,109 @@ def run_rank(cfg: DispatchConfig) -> List[dict]:
             with open(cfg.json_path, "w") as f:
                 json.dump(rows, f, indent=2)
             print(f"wrote {len(rows)} rows to {cfg.json_path}", flush=True)
+    return rows
+
+
+# ---- world 1 on one device: `python -m tilecomm.bench self` calls self_rows ------------------------
+SELF_SIZES = {True: dict(tokens=4096, ll_tokens=128, hidden=7168, experts=256, topk=8, dtype=torch.bfloat16),
+              False: dict(tokens=16, ll_tokens=8, hidden=128, experts=8, topk=2, dtype=torch.float32)}
+SELF_BARS = {"normal dispatch": (1.5, None, 1), "normal combine": (1.5, None, 0),
+             "low_latency dispatch": (None, 20.0, 0), "low_latency combine": (None, 20.0, 0)}  # ratio, µs, syncs
+
+
+def self_heap_bytes(on_gpu: bool) -> int:
+    """Symmetric heap bytes the Dispatchers of self_rows take (both modes at once)."""
+    from tilecomm.dispatch.buffers import low_latency_specs, normal_specs, symmetric_bytes
+
+    s = SELF_SIZES[on_gpu]
+    return (symmetric_bytes(normal_specs(1, s["experts"], s["tokens"], s["topk"], s["hidden"], s["dtype"]))
+            + symmetric_bytes(low_latency_specs(1, s["experts"], s["ll_tokens"], s["topk"], s["hidden"], s["dtype"])))
+
+
+def _world1_expected(x, idx, w):
+    """At world 1: rows [R, H] expert-major (expert, token, k) and their weights, in torch ops."""
+    T, K = idx.shape
+    flat = idx.reshape(-1).long()
+    pairs = torch.nonzero(flat >= 0).flatten()
+    order = torch.argsort(flat[pairs] * (T * K) + pairs, stable=True)
+    pairs = pairs[order]
+    return x[pairs // K], w.float().reshape(-1)[pairs]
+
+
+def _event_syncs(fn, on_gpu: bool) -> int:
+    """torch.cuda.Event.synchronize calls in one call (set_sync_debug_mode does not see them)."""
+    if not on_gpu:
+        return 0
+    seen, original = [0], torch.cuda.Event.synchronize
+
+    def counted(event):
+        seen[0] += 1
+        return original(event)
+
+    torch.cuda.Event.synchronize = counted
+    try:
+        fn()
+    finally:
+        torch.cuda.Event.synchronize = original
+    torch.cuda.synchronize()
+    return seen[0]
+
+
+def _self_row(name: str, fn, floor_fn, iters: int, on_gpu: bool) -> dict:
+    from . import measure
+
+    us = measure.per_call_us(fn, iters, on_gpu=on_gpu)
+    floor = measure.per_call_us(floor_fn, iters, on_gpu=on_gpu)
+    kernels, gpu_us = measure.kernels_per_call(fn, on_gpu)
+    row = dict(op=name, us=us, floor_us=floor, ratio=us / floor, host_us=measure.host_us(fn, iters, on_gpu=on_gpu),
+               kernels=kernels, gpu_us=gpu_us, syncs=measure.host_syncs(fn, on_gpu) + _event_syncs(fn, on_gpu))
+    ratio_bar, us_bar, sync_bar = SELF_BARS[name]
+    row["bar"] = f"<= {ratio_bar}x floor" if ratio_bar else f"<= {us_bar} us"
+    row["meets_bar"] = bool((row["ratio"] <= ratio_bar if ratio_bar else us <= us_bar) and row["syncs"] <= sync_bar)
+    return row
+
+
+def self_rows(iters: int = 50) -> List[dict]:
+    """The Dispatcher rows of the world-1 benchmark (tilecomm initialised with ONE rank and a heap of at
+    least self_heap_bytes()): normal dispatch / combine of 4096 x 7168 bf16 tokens, top-8 of 256 experts,
+    and low-latency dispatch / combine of 128 tokens (CPU: toy sizes, a smoke test). Each row: tilecomm
+    µs per call back to back (`iters` calls, one synchronize), floor = copy_ of the output rows [T * K, H]
+    in the same run, ratio, host µs per call, GPU kernels and memcpys of one call and their device µs, host syncs of one call
+    (sync debug mode + Event.synchronize), the issue's bar and whether it is met; the low-latency combine
+    row also says whether a CUDA graph of dispatch + combine replays the eager result. Results are
+    checked against a torch computation before timing (AssertionError otherwise)."""
+    from tilecomm.dispatch import Dispatcher
+
+    from . import measure
+
+    ctx = tilecomm.current()
+    if ctx.world_size != 1:
+        raise ValueError(f"self_rows measures world size 1; this runtime has {ctx.world_size} ranks")
+    on_gpu = ctx.backend == "cuda"
+    s = SELF_SIZES[on_gpu]
+    H, E, K, dtype, dev = s["hidden"], s["experts"], s["topk"], s["dtype"], ctx.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for mode, T in (("normal", s["tokens"]), ("low_latency", s["ll_tokens"])):
+        d = Dispatcher(E, H, T, K, dtype, mode=mode)
+        x = torch.randn(T, H, device=dev, generator=gen).to(dtype)
+        idx = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices
+        w = torch.softmax(torch.randn(T, K, device=dev, generator=gen), dim=1)
+        with torch.no_grad():
+            res = d.dispatch(x, idx, w)
+            want_x, _ = _world1_expected(x, idx, w)
+            got_x = res.x if mode == "normal" else torch.cat([res.x[e, :n] for e, n in
+                                                              enumerate(res.tokens_per_expert.tolist())])
+            assert torch.equal(got_x, want_x), f"self_rows: {mode} dispatch rows differ from torch"
+            y = res.x.clone()  # experts = identity: combine gives x[t] * sum_k w[t, k]
+            out = d.combine(y, res.handle)
+            torch.testing.assert_close(out.float(), x.float() * w.sum(1)[:, None], rtol=2e-2, atol=2e-2)
+            floor_src = torch.randn(T * K, H, device=dev).to(dtype)  # the output rows of one dispatch
+            floor_dst = torch.empty_like(floor_src)
+            for phase, fn in (("dispatch", lambda: d.dispatch(x, idx, w)), ("combine", lambda: d.combine(y, res.handle))):
+                rows.append(_self_row(f"{mode} {phase}", fn, lambda: floor_dst.copy_(floor_src), iters, on_gpu))
+            if mode == "low_latency":
+                rows[-1]["graph"] = measure.graph_replays(
+                    lambda: out.copy_(d.combine(y, d.dispatch(x, idx, w).handle)), out, on_gpu)
+        d.free()
     return rows
