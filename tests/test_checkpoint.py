@@ -165,7 +165,7 @@ def test_kill_9_at_each_stage_of_a_save(tmp_path, crash_at, survivor):
 def test_kill_9_at_random_moments(tmp_path):
     """Saves in a loop, killed at random times: every time, the checkpoint loads whole."""
     rng, first = random.Random(), 1
-    for _ in range(4):
+    for _ in range(3):
         proc = subprocess.Popen([sys.executable, os.path.join(HERE, "checkpoint_job.py"), str(tmp_path), str(first),
                                  "1000000"], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().startswith("saved")  # at least one save of this round is complete
@@ -212,10 +212,10 @@ def _log(out):
 def test_example_killed_with_kill_9_resumes_the_same_curve(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, TILECOMM_TIMEOUT_S="60", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "examples/pretrain_moe.py", "--steps", "8", "--checkpoint-every", "2", "--out", str(out)]
+    cmd = [sys.executable, "examples/pretrain_moe.py", "--steps", "4", "--checkpoint-every", "2", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 400
-    while not (out / "log.jsonl").exists() or len(open(out / "log.jsonl").readlines()) < 5:
+    while not (out / "log.jsonl").exists() or len(open(out / "log.jsonl").readlines()) < 3:  # past the step-2 checkpoint
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "hang"
         time.sleep(0.02)
     ranks = _children(proc.pid)
@@ -230,7 +230,7 @@ def test_example_killed_with_kill_9_resumes_the_same_curve(tmp_path):
     resumed = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = _log(out)
-    assert [r["step"] for r in rows] == list(range(8))  # no step twice, none missing
-    assert checkpoint._read_manifest(checkpoint.latest(str(out / "checkpoint")))["step"] == 8
+    assert [r["step"] for r in rows] == list(range(4))  # no step twice, none missing
+    assert checkpoint._read_manifest(checkpoint.latest(str(out / "checkpoint")))["step"] == 4
     for old in killed:  # the same curve: the redone steps give the very same losses
         assert old["loss"] == rows[old["step"]]["loss"], (old, rows[old["step"]])
