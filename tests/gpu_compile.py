@@ -18,8 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_language as lang  # noqa: E402
 from tilecomm.collectives import _exchange as ex  # noqa: E402
 from tilecomm.dispatch import layout as dl  # noqa: E402
-from tilecomm.dispatch import low_latency as ll  # noqa: E402
-from tilecomm.dispatch import rows as dr  # noqa: E402
+from tilecomm.dispatch.compile_cases import gpu_compile_cases  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
 from tilecomm.overlap import team as ov_team  # noqa: E402
 from tilecomm.overlap import tiles as ot  # noqa: E402
@@ -54,21 +53,6 @@ CASES = [
                          "per_expert_ptr": I64P, "T": "i32", "K": "i32", "E_LOCAL": "i32", "W": "i32",
                          "BLOCK_T": "constexpr", "BLOCK_K": "constexpr", "BLOCK_W": "constexpr"},
      {"BLOCK_T": 64, "BLOCK_K": 8, "BLOCK_W": 4}),
-    (dr._gather_rows_kernel, {"src_ptr": "*bf16", "idx_ptr": I64P, "out_ptr": "*bf16", "M": "i32", "H": "i32",
-                              "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"}, {"BLOCK_M": 16, "BLOCK_H": 256}),
-    (dr._combine_rows_kernel, {"src_ptr": "*bf16", "idx_ptr": I64P, "coef_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
-                               "H": "i32", "J": "i32", "HAS_COEF": "constexpr", "ACC": "constexpr",
-                               "BLOCK_M": "constexpr", "BLOCK_H": "constexpr"},
-     {"HAS_COEF": True, "ACC": triton.language.float32, "BLOCK_M": 16, "BLOCK_H": 256}),
-    (ll._send_kernel, {"x_ptr": "*bf16", "idx_ptr": I64P, "w_ptr": "*fp32", "slot_ptr": I64P, "stage_x_ptr": "*bf16",
-                       "stage_w_ptr": "*fp32", "consumed_ptr": I64P, "epoch_ptr": I64P, "err_ptr": I64P, "K": "i32",
-                       "H": "i32", "E": "i32", "E_L": "i32", "W": "i32", "M": "i32"}, {}),
-    (ll._recv_kernel, {"stage_x_ptr": "*bf16", "stage_w_ptr": "*fp32", "count_sig_ptr": I64P, "out_x_ptr": "*bf16",
-                       "out_w_ptr": "*fp32", "per_expert_ptr": I64P, "counts_ptr": I64P, "epoch_ptr": I64P,
-                       "H": "i32", "W": "i32", "M": "i32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 256}),
-    (ll._reduce_kernel, {"back_x_ptr": "*bf16", "idx_ptr": I64P, "w_ptr": "*fp32", "slot_ptr": I64P,
-                         "back_sig_ptr": I64P, "handle_epoch_ptr": I64P, "out_ptr": "*bf16", "K": "i32", "H": "i32",
-                         "E_L": "i32", "W": "i32", "M": "i32", "BLOCK_H": "constexpr"}, {"BLOCK_H": 256}),
     (og._push_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "flags_ptr": I64P, "consumed_ptr": I64P,
                        "pes_ptr": "*i32", "epoch": I64, "m": "i32", "K": "i32", "stride_gm": "i32", "slot_stride": I64,
                        "flag_stride": "i32", "me": "i32", "W": "i32", "BLOCK_M": "constexpr"}, {"BLOCK_M": 128}),
@@ -92,6 +76,7 @@ CASES = [
     (ot._matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                          "stride_am": "i32", "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG}, GEMM),
 ]
+CASES += gpu_compile_cases()  # the dispatch kernels (dispatch/compile_cases.py)
 
 
 def main() -> None:

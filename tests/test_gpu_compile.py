@@ -29,7 +29,7 @@ def nvshmem_available():
 
 def test_kernels_compile_for_sm90_nvlink_transport(nvshmem_available):
     rows = _compile("nvlink")
-    assert len(rows) == 19 and all(r["cubin_bytes"] > 0 for r in rows.values())
+    assert len(rows) == 23 and all(r["cubin_bytes"] > 0 for r in rows.values())
     assert rows["_exchange._pairs_kernel"]["release_sys_atomic"]  # signal: release at system scope
     assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_exchange._reduce_kernel"]["vector_16B"]
     assert rows["team._release_kernel"]["release_sys_atomic"]  # to PEs read from the team's table
@@ -42,5 +42,5 @@ def test_kernels_compile_for_sm90_nvlink_transport(nvshmem_available):
 
 def test_kernels_compile_for_sm90_nvshmem_transport(nvshmem_available):
     rows = _compile("nvshmem")
-    assert len(rows) == 19
+    assert len(rows) == 23
     assert rows["_exchange._pairs_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]
