@@ -38,6 +38,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm.jit import CachedLaunch
 
 from ._device import last_program, peer_offset, signal_all, wait_all
 from .buffers import SymmetricState, normal_specs, row_bytes
@@ -348,6 +349,11 @@ _SIG_NOTIFY, _SIG_FWD_READY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUME
 _P2 = triton.next_power_of_2
 
 
+def _int_spec(*values) -> tuple:
+    """What Triton specialises an int argument on (== 1, divisible by 16): part of a CachedLaunch key."""
+    return tuple((v == 1) + 2 * (v % 16 == 0) for v in values)
+
+
 class FusedEngine:
     """Normal-mode dispatch/combine over buffers made once here (collective: every rank, same order).
 
@@ -377,6 +383,10 @@ class FusedEngine:
         self._event = torch.cuda.Event() if self.cuda else None
         self._dummies, self._typed_views = {}, {}
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
+        # launched through the compiled kernels (no per-call Triton binding: the expand launch follows the
+        # host sync, so its cost would idle the GPU); keys hold what varies between calls
+        self._route, self._send_k, self._expand_k, self._cs, self._cr = (CachedLaunch(k) for k in (
+            _route_kernel, _send_kernel, _expand_kernel, _combine_send_kernel, _combine_recv_kernel))
 
     def free(self) -> None:
         self.state.free()
@@ -415,7 +425,8 @@ class FusedEngine:
         self.seq[0] += 1
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=x.device)
         nb = max(1, triton.cdiv(T, self.bt))
-        _route_kernel[(nb,)](self._or_dummy(topk, topk.dtype), self._counts, self._totals, self._minmax, self._ctr[0],
+        self._route.launch((nb,), (topk.dtype, _int_spec(T)), self._or_dummy(topk, topk.dtype), self._counts,
+                           self._totals, self._minmax, self._ctr[0],
                              self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, T, self.seq[0], E, E_L, W,
                              K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
                              BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), num_warps=cfg.num_warps)
@@ -453,7 +464,9 @@ class FusedEngine:
             rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
         st, K = self.state, self.K
         nb = max(1, triton.cdiv(x.shape[0], self.bt))
-        _send_kernel[(nb,)](self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32), self._or_dummy(topk, topk.dtype),
+        key = (x.dtype, None if x2 is None else x2.dtype, topk.dtype, weights is None, _int_spec(x.shape[0], h2, row2))
+        self._send_k.launch((nb,), key, self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32),
+                            self._or_dummy(topk, topk.dtype),
                             self._or_dummy(weights, torch.float32), self._counts, self._typed("rows", x.dtype),
                             self._or_dummy(rows2, torch.float32), st.route, st.slot, st.weight,
                             self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED], self._ctr[1], x.shape[0],
@@ -470,8 +483,9 @@ class FusedEngine:
             skip = out.shape[1] * out.element_size() // out2.element_size()
             rows2, out2_arg = self._typed("rows", out2.dtype)[skip:], out2
             h2, row2 = out2.shape[1], self.row_bytes // out2.element_size()
-        _expand_kernel[(max(1, triton.cdiv(p.num_recv_tokens, tpp)),)](
-            self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
+        key = (out.dtype, None if out2 is None else out2.dtype, out_w is None, _int_spec(h2, row2))
+        self._expand_k.launch(
+            (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), key, self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
             self._or_dummy(out2_arg, torch.float32), st.route, st.slot, st.weight, self._or_dummy(out_w, torch.float32),
             self._or_dummy(p.token_rows, torch.int32), p.plan, self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED],
             self._ctr[2], self.seq[1], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2,
@@ -491,8 +505,9 @@ class FusedEngine:
         st, K, tpp, T, dev = self.state, self.K, self.cfg.tokens_per_program, p.num_tokens, p.plan.device
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         f32 = torch.float32
-        _combine_send_kernel[(max(1, triton.cdiv(p.num_recv_tokens, tpp)),)](
-            self._or_dummy(y, dtype), self._or_dummy(coef, f32), self._or_dummy(values, f32),
+        flags = (dtype, y is None, coef is None, values is None)
+        self._cs.launch(
+            (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32), self._or_dummy(values, f32),
             self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w, self._sig[_SIG_BWD_READY],
             self._sig[_SIG_BWD_CONSUMED], self._ctr[3], self.seq[2], self.W, self.M, self.H, row, K=K, BT=tpp,
             BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, ALIGN=16 // back.element_size(),
@@ -500,8 +515,8 @@ class FusedEngine:
             num_warps=self.cfg.num_warps, enable_fp_fusion=False)
         out = None if y is None else torch.empty((T, self.H), dtype=dtype, device=dev)
         vals = None if values is None else torch.empty((T, K), dtype=f32, device=dev)
-        _combine_recv_kernel[(max(1, triton.cdiv(T, tpp)),)](
-            back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
+        self._cr.launch(
+            (max(1, triton.cdiv(T, tpp)),), flags + (p.topk_idx.dtype, _int_spec(T)), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
             self._or_dummy(vals, f32), self._sig[_SIG_BWD_READY], self._sig[_SIG_BWD_CONSUMED], self._ctr[4], T,
             self.seq[2], self.E, self.E_L, self.W, self.M, self.H, row, K=K, BT=tpp, BLOCK_T=_P2(tpp),
             BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
