@@ -155,13 +155,15 @@ def jit(fn: Optional[Callable] = None, **jit_kwargs):
 
 class CachedLaunch:
     """Launch one TileKernel the way a hot path needs: on GPUs, through the compiled kernel itself,
-    skipping Triton's per-call argument binding and cache lookup (tens of µs for a kernel with twenty
-    parameters); on CPU ranks, the ordinary interpreted launch.
+    skipping Triton's per-call argument binding, cache lookup and pointer queries (tens of µs for a
+    kernel with twenty parameters); on CPU ranks, the ordinary interpreted launch.
 
     `launch(grid, key, *args, **constexprs)`: `key` names the constexpr configuration (the caller's
-    own, cheap to build); the pointer alignments and integer widths, which Triton specialises on,
-    are added to it here. The first launch of a key compiles (or finds) the kernel the ordinary way.
-    Owned by whoever launches (the CollectiveState), so its compiled kernels go with it.
+    own, cheap to build: the same key must always come with the same constexprs). What Triton
+    specialises the other arguments on (16-byte pointer alignment; an int's width and, unless the
+    kernel says do_not_specialize, whether it is 1 or a multiple of 16) is added to it here. The
+    first launch of a key compiles (or finds) the kernel the ordinary way. Owned by whoever launches
+    (a CollectiveState, a Dispatcher's buffers), so its compiled kernels go with it.
     """
 
     enabled = True  # False: every launch takes Triton's ordinary path (the benchmark compares both)
@@ -169,22 +171,32 @@ class CachedLaunch:
     def __init__(self, fn: TileKernel):
         self.fn = fn
         self.names = [p.name for p in fn.params]
+        self.plain_ints = [not p.do_not_specialize for p in fn.params]
         self.kernels: dict = {}
 
     def launch(self, grid, key, *args, **constexprs) -> None:
-        if not (self.enabled and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+        first = args[0]
+        if not (self.enabled and isinstance(first, torch.Tensor) and first.is_cuda):
             self.fn[grid](*args, **constexprs)
             return
-        spec = 0  # bit i: argument i is a 16-byte aligned pointer or an int that fits int32
+        values, spec = [], 0
         for i, a in enumerate(args):
-            if (a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else (-2147483648 <= a < 2147483648):
-                spec |= 1 << i
-        kernel = self.kernels.get((key, spec))
-        if kernel is None:
-            self.kernels[(key, spec)] = self.fn[grid](*args, **constexprs)
+            if isinstance(a, torch.Tensor):
+                a = a.data_ptr()  # an int pointer: the launcher skips its pointer query
+                bits = a & 15 == 0
+            elif isinstance(a, int):
+                bits = (-2147483648 <= a < 2147483648) | (self.plain_ints[i] and ((a == 1) << 1 | (a % 16 == 0) << 2))
+            else:
+                bits = 0
+            values.append(a)
+            spec = spec << 3 | bits
+        entry = self.kernels.get((key, spec))
+        if entry is None:
+            kernel = self.fn[grid](*args, **constexprs)
+            self.kernels[(key, spec)] = (kernel, [constexprs[n] for n in self.names[len(args):]])
             return
+        kernel, const_values = entry
         runtime.check_errors()
-        values = list(args) + [constexprs[n] for n in self.names[len(args):]]
-        stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+        stream = torch._C._cuda_getCurrentRawStream(first.device.index)
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, None, None, None, *values)
+                   kernel.packed_metadata, None, None, None, *values, *const_values)

@@ -76,9 +76,17 @@ def _copy(dst_ptr, dst_off, src_ptr, src_off, n, BLOCK: tl.constexpr, VEC: tl.co
 
 
 @jit
-def _chunks_of(count, q, P, CHUNK: tl.constexpr):
+def _chunk_size(count, P, CHUNK: tl.constexpr):
+    """Elements per chunk of a `count`-element pair: spread over all P programs when that keeps chunks
+    of at least 2048 elements, at most CHUNK (a ring slot); a multiple of 2048 (so of 16 bytes)."""
+    per_program = (count + P - 1) // P
+    return tl.minimum(tl.maximum((per_program + 2047) // 2048, 1) * 2048, CHUNK)
+
+
+@jit
+def _chunks_of(count, q, P, chunk):
     """How many of the chunks q, q + P, q + 2P, ... of a `count`-element pair exist."""
-    n = (count + CHUNK - 1) // CHUNK
+    n = (count + chunk - 1) // chunk
     return tl.maximum(n - q + P - 1, 0) // P
 
 
@@ -102,7 +110,7 @@ def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base):
     in_place = tl.load(remote + 4 * slot + 2, cache_modifier=".cg")
     if offered != expected:
         _record_error(err_ptr, 2, src, expected, offered)
-    return offset, tl.minimum(offered, expected), in_place
+    return offset, tl.minimum(offered, expected), in_place, offered
 
 
 @jit
@@ -142,28 +150,31 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
         r_off = tl.load(table_ptr + 2 * W + 2 * src)
         r_cnt = tl.load(table_ptr + 2 * W + 2 * src + 1)
     _publish(meta_ptr, ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, base)
-    remote_off, cnt, remote_in_place = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base)
-    # interleave my sends to dst with my receives from src, chunk by chunk
-    n_send = _chunks_of(s_cnt, q, P, CHUNK) * (1 - IN_PLACE)
-    n_recv = _chunks_of(cnt, q, P, CHUNK)
+    remote_off, cnt, remote_in_place, offered = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base)
+    # interleave my sends to dst with my receives from src, chunk by chunk (a pair's chunking follows from
+    # its writer's count, which both ends know)
+    s_chunk = _chunk_size(s_cnt, P, CHUNK)
+    r_chunk = _chunk_size(offered, P, CHUNK)
+    n_send = _chunks_of(s_cnt, q, P, s_chunk) * (1 - IN_PLACE)
+    n_recv = _chunks_of(cnt, q, P, r_chunk)
     slot0 = ring_off + pid * DEPTH * CHUNK
     peer_heap = _peer_delta(heap_ptr, src)
     for i in range(0, tl.maximum(n_send, n_recv)):
-        c = (q + i * P).to(tl.int64) * CHUNK
         slot = slot0 + (i % DEPTH) * CHUNK
         if i < n_send:
+            c = (q + i * P).to(tl.int64) * s_chunk
             if i >= DEPTH:  # the reader must be done with what this ring slot held
                 tcl.wait(done_ptr + pid, base + i - DEPTH + 1, tcl.CMP_GE)
-            _copy(heap_ptr, slot, in_ptr, s_off + c, tl.minimum(CHUNK, s_cnt - c), BLOCK, VEC)
+            _copy(heap_ptr, slot, in_ptr, s_off + c, tl.minimum(s_chunk, s_cnt - c), BLOCK, VEC)
             tcl.signal(ready_ptr + pid, base + i + 1, dst, tcl.SIGNAL_SET)
         if i < n_recv:
+            c = (q + i * P).to(tl.int64) * r_chunk
             if remote_in_place == 0:
                 tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
-                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + slot,
-                      tl.minimum(CHUNK, cnt - c), BLOCK, VEC)
+                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + slot, tl.minimum(r_chunk, cnt - c), BLOCK, VEC)
                 tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:
-                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + remote_off + c, tl.minimum(CHUNK, cnt - c),
+                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + remote_off + c, tl.minimum(r_chunk, cnt - c),
                       BLOCK, VEC)
     # finish: src may reuse its data; wait until dst is done with mine
     tcl.signal(done_ptr + pid, last, src, tcl.SIGNAL_SET)
@@ -240,9 +251,10 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     in_place = tl.load(remote + 2, mask=ps < W, other=1, cache_modifier=".cg")
     base_offs = _peer_delta(heap_ptr, ps % W) + tl.where(in_place == 0, ring_off + slots * DEPTH * CHUNK,
                                                          tl.load(remote, mask=ps < W, other=0, cache_modifier=".cg"))
-    for i in range(0, _chunks_of(n64, q, P, CHUNK)):
-        c = (q + i * P).to(tl.int64) * CHUNK
-        length = tl.minimum(CHUNK, n64 - c)
+    chunk = _chunk_size(n64, P, CHUNK)
+    for i in range(0, _chunks_of(n64, q, P, chunk)):
+        c = (q + i * P).to(tl.int64) * chunk
+        length = tl.minimum(chunk, n64 - c)
         ring_slot = (i % DEPTH) * CHUNK
         if not IN_PLACE:
             for k in range(0, W):

@@ -96,6 +96,8 @@ class CollectiveState:
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
         state = cls(ctx, P, chunk, ring, words, tables, 8 if on_gpu else 1)
         state.block_bytes = block_bytes
+        state._configs = {}
+        state._max_w = triton.next_power_of_2(W)
         state._pairs = CachedLaunch(kx._pairs_kernel)
         state._reduce = CachedLaunch(kx._reduce_kernel)
         state._heap_views = {}  # the heap as each element type the kernels move (views made once here)
@@ -141,18 +143,23 @@ class CollectiveState:
         event.record()
         self._table_events[i] = event
 
-    def _placement(self, src: torch.Tensor, byte_offsets: Sequence[int]):
+    def _placement(self, src: torch.Tensor, offsets_aligned: bool):
         """(in_heap_off in elements, IN_PLACE): read src in place when it lies on the heap and every
         piece a reader takes starts on a 16-byte boundary; else stage it through the ring."""
-        heap_off = self.ctx.heap.offset_of(src) if src.numel() else None
-        if heap_off is None or heap_off % 16 or any(o % 16 for o in byte_offsets):
+        heap_off = self.ctx.heap.offset_of(src) if offsets_aligned and src.numel() else None
+        if heap_off is None or heap_off % 16:
             return 0, False
         return heap_off // src.element_size(), True
 
-    def _launch_config(self, elem: int, aligned: bool):
-        chunk = self.chunk_bytes // elem
-        block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
-        return dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block, VEC=16 // elem if aligned else 1, num_warps=self.num_warps)
+    def _launch_config(self, elem: int, aligned: bool) -> dict:
+        """The constexprs of a launch (one dict per element size and alignment, made once)."""
+        config = self._configs.get((elem, aligned))
+        if config is None:
+            chunk = self.chunk_bytes // elem
+            block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
+            config = self._configs[(elem, aligned)] = dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block,
+                                                           VEC=16 // elem if aligned else 1, num_warps=self.num_warps)
+        return config
 
     # -- the collectives ----------------------------------------------------------------------------
     def exchange(self, src: torch.Tensor, out: torch.Tensor, send: Optional[Sequence[Tuple[int, int]]],
@@ -162,14 +169,13 @@ class CollectiveState:
         elem = src.element_size()
         move = _BITS[elem]
         src, out = src.view(move), out.view(move)
-        if send is None:
-            send_offs = [0] if gather else [p * n_even for p in range(self.ctx.world_size)]
-            recv_offs = [p * n_even for p in range(self.ctx.world_size)]
+        if send is None:  # offsets are multiples of n_even
+            send_ok = recv_ok = n_even * elem % 16 == 0
         else:
-            send_offs, recv_offs = [o for o, _ in send], [o for o, _ in recv]
-        in_heap_off, in_place = self._placement(src, [o * elem for o in send_offs])
-        aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and \
-            all(o * elem % 16 == 0 for o in itertools.chain(send_offs, recv_offs))
+            send_ok = all(o * elem % 16 == 0 for o, _ in send)
+            recv_ok = all(o * elem % 16 == 0 for o, _ in recv)
+        in_heap_off, in_place = self._placement(src, send_ok)
+        aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
         table = self.words if send is None else self._table(send, recv)
         even = send is None
         self._pairs.launch(
@@ -185,14 +191,13 @@ class CollectiveState:
         """out[j] = op over ranks of their src[rank * n + j] (flat contiguous tensors, n = out.numel())."""
         n = out.numel()
         elem = src.element_size()
-        in_heap_off, in_place = self._placement(src, [p * n * elem for p in range(self.ctx.world_size)])
-        aligned = out.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0 and n * elem % 16 == 0
+        in_heap_off, in_place = self._placement(src, n * elem % 16 == 0)
+        aligned = n * elem % 16 == 0 and (out.data_ptr() | src.data_ptr()) & 15 == 0
         self._reduce.launch(
             (self.programs_per_peer,), (src.dtype, op, average, in_place, aligned),
             src, out, self._heap_views[src.dtype], self.words, self.ctx.device_state.error,
             self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype),
-            AVG=average, IN_PLACE=in_place, MAX_W=triton.next_power_of_2(self.ctx.world_size),
-            **self._launch_config(elem, aligned))
+            AVG=average, IN_PLACE=in_place, MAX_W=self._max_w, **self._launch_config(elem, aligned))
         self._raise_mismatch_now()
 
     def _raise_mismatch_now(self) -> None:
