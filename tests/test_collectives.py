@@ -7,6 +7,9 @@ import torch.distributed as dist
 
 import tilecomm
 from _reference import all_to_all_ref, dev, gather_all, reduce_scatter_ref
+from conftest import BACKEND
+
+BACKEND_IS_CPU = BACKEND == "cpu"
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.float8_e4m3fn]
 
@@ -196,3 +199,112 @@ def async_op_work():
 
 def test_async_op_returns_work(ranks):
     ranks(2).run(async_op_work)
+
+
+def streams_through_the_ring(seed, elems_per_pair):
+    """Pairs several ring slots long (the data wraps the staging ring), one rank's input on the
+    symmetric heap (read in place) and the others' staged: every writer's mode is its own."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    gen = torch.Generator().manual_seed(seed + rank)
+    splits = [elems_per_pair + 7 * p for p in range(world)]  # uneven, not multiples of 16 bytes
+    all_splits = [None] * world
+    dist.all_gather_object(all_splits, splits)
+    recv = [all_splits[p][rank] for p in range(world)]
+    heap_in = tilecomm.empty((max(sum(s) for s in all_splits),), torch.float32)
+    x = torch.randn(sum(splits), generator=gen).to(dev())
+    if rank == 0:
+        x = heap_in[: x.numel()].copy_(x)
+    for _ in range(2):  # back to back: the second call reuses the ring the first one filled
+        out = _poison(torch.empty(sum(recv), device=dev()))
+        tilecomm.all_to_all_single(out, x, recv, splits)
+        ref = all_to_all_ref(gather_all(x), all_splits, rank)
+        assert torch.equal(out.cpu(), ref), f"rank {rank}: streamed all_to_all_single mismatch"
+    tilecomm.free(heap_in)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_transfers_larger_than_the_ring_stream_through_it(ranks, world):
+    ranks(world).run(streams_through_the_ring, 17, 150_001)
+
+
+def reduce_scatter_large_mixed(seed):
+    """A reduce-scatter larger than the ring, in-place and staged writers mixed, every op."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    n = 70_003
+    heap_in = tilecomm.empty((world * n,), torch.float32)
+    for op_name in ("sum", "max", "avg"):
+        op = getattr(dist.ReduceOp, op_name.upper())
+        x = torch.randn(world * n, generator=torch.Generator().manual_seed(seed + rank)).to(dev())
+        if rank == 1:
+            x = heap_in.copy_(x)
+        out = _poison(torch.empty(n, device=dev()))
+        tilecomm.reduce_scatter_tensor(out, x, op=op)
+        ref = reduce_scatter_ref(gather_all(x), rank, op_name)
+        torch.testing.assert_close(out.double().cpu(), ref.double(), rtol=1e-5, atol=1e-5)
+    tilecomm.free(heap_in)
+
+
+def test_reduce_scatter_larger_than_the_ring(ranks):
+    ranks(3).run(reduce_scatter_large_mixed, 23)
+
+
+def complex_and_bad_dtypes():
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    x = torch.randn(world * 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(rank)).to(dev())
+    out = torch.empty(3, dtype=torch.complex64, device=dev())
+    tilecomm.reduce_scatter_tensor(out, x)
+    ref = sum(t[rank * 3:(rank + 1) * 3] for t in gather_all(x))
+    torch.testing.assert_close(out.cpu(), ref)
+    gathered = torch.empty(world * 3 * world, dtype=torch.complex64, device=dev())
+    tilecomm.all_gather_into_tensor(gathered, x)
+    assert torch.equal(gathered.cpu(), torch.cat(gather_all(x)))
+    with pytest.raises(TypeError, match="op=AVG needs a floating dtype"):
+        tilecomm.reduce_scatter_tensor(torch.empty(3, dtype=torch.int64, device=dev()),
+                                       torch.ones(world * 3, dtype=torch.int64, device=dev()), op=dist.ReduceOp.AVG)
+    with pytest.raises(TypeError, match="complex tensors reduce with SUM or AVG"):
+        tilecomm.reduce_scatter_tensor(out, x, op=dist.ReduceOp.MAX)
+    with pytest.raises(TypeError, match="output has dtype torch.uint32; expected one of"):
+        tilecomm.all_to_all_single(torch.empty(world, dtype=torch.uint32, device=dev()),
+                                   torch.empty(world, dtype=torch.uint32, device=dev()))
+
+
+def test_complex_tensors_and_dtype_errors(ranks):
+    ranks(2).run(complex_and_bad_dtypes)
+
+
+def no_sync_and_graph_replay():
+    """GPU: a call makes no host synchronisation, and a captured call replays with the eager result."""
+    world = tilecomm.world_size()
+    x = torch.randn(world * 64, 33, device=dev())
+    out = torch.empty_like(x)
+    splits = [64] * world
+    for _ in range(2):
+        tilecomm.all_to_all_single(out, x, splits, splits)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tilecomm.all_to_all_single(out, x, splits, splits)
+        tilecomm.all_gather_into_tensor(torch.empty(world * x.numel(), device=dev()), x)
+        tilecomm.reduce_scatter_tensor(torch.empty(x.numel() // world, device=dev()), x.reshape(-1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expect = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            tilecomm.all_to_all_single(out, x, splits, splits)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        out.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_host_sync_and_cuda_graph_replay(ranks, world):
+    if BACKEND_IS_CPU:
+        pytest.skip("CUDA graphs and sync debug mode need GPU ranks")
+    ranks(world).run(no_sync_and_graph_replay)
