@@ -7,8 +7,9 @@ dispatch = send kernel + receive kernel (the receive half can be deferred: `recv
 - send (programs: token x column chunk): the slot of pair (t, k) = its index among this rank's pairs for
   that expert (token order, then k); the row goes to its owner r's recv[e_l, me, slot], with its weight
   and t * K + k (stores through symm_at(., r), r == me included). A slot >= M is never written: the error
-  is recorded (raised at the next call) and the source zeroes that pair's back row. The last program
-  counts pairs per expert and SETs count[e_l, me] = epoch * (M + 1) + count on every r (release).
+  is recorded (raised at the next call) and the source zeroes that pair's back row. Pairs per expert are
+  counted with integer atomics; the last program SETs count[e_l, me] = epoch * (M + 1) + count on every
+  r (release).
 - receive (programs: local expert x source x column chunk): waits for the counts of its expert from all
   sources, copies the (expert, source) rows to out[e_l, (rows of lower sources) + slot]: expert-major,
   then source rank, then token, then k. The last program SETs consumed[me] on every source (a sender
@@ -61,10 +62,11 @@ class LowLatencyConfig:
                                 num_warps=1)
 
 
-@tilecomm.jit
+@tilecomm.jit(do_not_specialize=["T"])
 def _send_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr,
-                 back_ptr, err_ptr, counter_ptr, T, E, E_L, W, M, H, ROW, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
+                 back_ptr, err_ptr, pairs_ptr, counter_ptr, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_H: tl.constexpr,
+                 ALIGN: tl.constexpr):
     t = tl.program_id(0)
     me = tcl.rank()
     epoch = tl.load(epoch_ptr) + 1
@@ -86,6 +88,7 @@ def _send_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, cou
     owner = tl.where(ok, ids // E_L, 0)
     dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
     if tl.program_id(1) == 0:
+        tl.atomic_add(pairs_ptr + tl.where(valid, ids, 0), 1, mask=valid)  # pairs per expert (integer: exact)
         tl.store(recv_w_ptr + peer_offset(recv_w_ptr, owner, 1) + dst, tl.load(w_ptr + f, mask=ok), mask=ok)
         tl.store(recv_src_ptr + peer_offset(recv_src_ptr, owner, 1) + dst, f.to(tl.int32), mask=ok)
     to_pe = peer_offset(recv_ptr, owner, ALIGN)
@@ -102,22 +105,16 @@ def _send_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, cou
             over_k = tl.max((sel & over).to(tl.int32), axis=0) > 0  # dropped: combine adds w * 0
             tl.store(back_ptr + (t.to(tl.int64) * K + k) * ROW + cols, tl.zeros((BLOCK_H,), v.dtype), mask=tl.where(over_k, cm, False))
     if last_program(counter_ptr):
-        _publish_counts(topk_ptr, count_ptr, err_ptr, me, epoch, T, E, E_L, W, M, K, BLOCK_C, BLOCK_EL)
+        _publish_counts(pairs_ptr, count_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_EL)
 
 
 @triton.jit
-def _publish_counts(topk_ptr, count_ptr, err_ptr, me, epoch, T, E, E_L, W, M, K: tl.constexpr, BLOCK_C: tl.constexpr,
-                    BLOCK_EL: tl.constexpr):
-    """SET count[e_l, me] = epoch * (M + 1) + min(rows, M) on every rank r, for r's experts."""
+def _publish_counts(pairs_ptr, count_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_EL: tl.constexpr):
+    """SET count[e_l, me] = epoch * (M + 1) + min(rows, M) on every rank r, for r's experts; clear pairs."""
     el = tl.arange(0, BLOCK_EL)
     for r in range(0, W):
-        n = tl.zeros((BLOCK_EL,), tl.int32)
-        for c0 in range(0, T * K, BLOCK_C):
-            fc = c0 + tl.arange(0, BLOCK_C)
-            ids = tl.load(topk_ptr + fc, mask=fc < T * K, other=-1).to(tl.int64)
-            mine = (ids >= r * E_L) & (ids < (r + 1) * E_L) & (ids < E)
-            n += tl.histogram(tl.where(mine, ids - r * E_L, E_L).to(tl.int32), BLOCK_EL)
-        n = tl.where(el < E_L, n, 0)
+        n = tl.load(pairs_ptr + r * E_L + el, mask=el < E_L, other=0)
+        tl.store(pairs_ptr + r * E_L + el, tl.zeros((BLOCK_EL,), tl.int32), mask=el < E_L)
         if tl.max(n, axis=0) > M:
             worst = tl.argmax(n, axis=0)
             record_error(err_ptr, ERR_CAPACITY, me, r * E_L + worst, tl.max(n, axis=0), M)
@@ -190,7 +187,7 @@ def _back_kernel(y_ptr, row_src_ptr, per_expert_ptr, back_ptr, ready_ptr, consum
         signal_all(ready_ptr + me, epoch, W)
 
 
-@tilecomm.jit
+@tilecomm.jit(do_not_specialize=["T"])
 def _reduce_kernel(back_ptr, topk_ptr, w_ptr, out_ptr, ready_ptr, consumed_ptr, epoch_ptr, counter_ptr, T, E, W, H,
                    ROW, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, ACC: tl.constexpr):
     t = tl.program_id(0)
@@ -249,11 +246,6 @@ def raise_device_error(words) -> None:
 _P2 = triton.next_power_of_2
 
 
-def _int_spec(*values) -> tuple:
-    """What Triton specialises an int argument on (== 1, divisible by 16): part of a CachedLaunch key."""
-    return tuple((v == 1) + 2 * (v % 16 == 0) for v in values)
-
-
 class LowLatencyEngine:
     """Low-latency dispatch/combine over buffers made once here (collective). Device errors (bad expert
     ids, capacity overflow) are recorded by the kernels and raised by the next call, before its kernels
@@ -274,12 +266,12 @@ class LowLatencyEngine:
         self._ctr = [counters[i:i + 1] for i in range(4)]
         self._sig = [self.state.sig[i] for i in range(3)]
         self._err = torch.zeros(8, dtype=torch.int64, pin_memory=self.cuda)  # written by the kernels
+        self._pairs = torch.zeros(num_experts, dtype=torch.int32, device=ctx.device)  # per expert, cleared after use
         self._err_words = self._err.numpy()
         self._dummies, self._typed_views = {}, {}
         # hot path: launch through the compiled kernels (no per-call Triton binding); keys below
         self._send, self._recv, self._back, self._reduce = (CachedLaunch(k) for k in (_send_kernel, _recv_kernel,
                                                                                        _back_kernel, _reduce_kernel))
-        self._spec = _int_spec(num_experts, num_experts // W, W, max_tokens, hidden)
 
     def free(self) -> None:
         self.state.free()
@@ -318,11 +310,12 @@ class LowLatencyEngine:
         topk, weights = topk_idx.contiguous(), topk_weights.float().contiguous()
         recv, row = self._staging("recv", x.dtype)
         back, _ = self._staging("back", x.dtype)
-        key = (x.dtype, topk.dtype, self._spec, _int_spec(T))
+        key = (x.dtype, topk.dtype)
         self._send.launch(
             (max(T, 1), cfg.col_programs), key, self._or_dummy(x), self._or_dummy(topk), self._or_dummy(weights), recv, st.recv_w, st.recv_src, st.count,
-            self._sig[_SIG_CONSUMED], st.epoch, back, self._err, self._ctr[0], T, self.E, E_L, W, M, H, row, K=K,
-            BLOCK_K=_P2(K), BLOCK_C=256, BLOCK_EL=_P2(E_L), BLOCK_H=cfg.block_h, ALIGN=16 // x.element_size(),
+            self._sig[_SIG_CONSUMED], st.epoch, back, self._err, self._pairs, self._ctr[0], T, self.E, E_L, W, M, H,
+            row, K=K, BLOCK_K=_P2(K), BLOCK_C=min(1024, _P2(M * K)), BLOCK_EL=_P2(E_L), BLOCK_H=cfg.block_h,
+            ALIGN=16 // x.element_size(),
             num_warps=cfg.num_warps)
         out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((E_L, cap), dtype=torch.float32, device=dev)
@@ -334,7 +327,7 @@ class LowLatencyEngine:
             if handle.received:
                 raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
             self._recv.launch(
-                (E_L, W, cfg.col_programs), (x.dtype, self._spec), recv, st.recv_w, st.recv_src, st.count, self._sig[_SIG_CONSUMED], st.epoch, out_x, out_w,
+                (E_L, W, cfg.col_programs), x.dtype, recv, st.recv_w, st.recv_src, st.count, self._sig[_SIG_CONSUMED], st.epoch, out_x, out_w,
                 handle.row_src, per_expert, self._ctr[1], W, M, H, row, K=K, BLOCK_R=cfg.block_rows,
                 BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
             handle.received = True
@@ -353,13 +346,13 @@ class LowLatencyEngine:
         cfg, W, M, K, H = self.cfg, self.W, self.M, self.K, self.H
         back, row = self._staging("back", y.dtype)
         self._back.launch(
-            (self.E_L, cfg.col_programs), (y.dtype, self._spec), y, h.row_src, h.tokens_per_expert, back, self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED],
+            (self.E_L, cfg.col_programs), y.dtype, y, h.row_src, h.tokens_per_expert, back, self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED],
             self.state.epoch, self._ctr[2], W, M, H, row, K=K, BLOCK_R=cfg.block_rows, BLOCK_H=cfg.block_h,
             ALIGN=16 // y.element_size(), num_warps=cfg.num_warps)
         T = h.topk_idx.shape[0]
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
         self._reduce.launch(
-            (max(T, 1), cfg.col_programs), (y.dtype, h.topk_idx.dtype, self._spec, _int_spec(T)), back,
+            (max(T, 1), cfg.col_programs), (y.dtype, h.topk_idx.dtype), back,
             self._or_dummy(h.topk_idx), self._or_dummy(h.topk_weights), self._or_dummy(out),
             self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED], self.state.epoch, self._ctr[3], T, self.E, W, H,
             row, K=K, BLOCK_K=_P2(K), BLOCK_H=cfg.block_h, ACC=tl.float64 if y.dtype == torch.float64 else tl.float32,

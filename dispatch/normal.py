@@ -106,7 +106,7 @@ def _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, 
     tl.store(info_ptr + 1, n_tok)
 
 
-@tilecomm.jit(do_not_specialize=["seq"])
+@tilecomm.jit(do_not_specialize=["T", "seq"])
 def _route_kernel(topk_ptr, counts_ptr, totals_ptr, minmax_ptr, counter_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr,
                   T, seq, E, E_L, W, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr):
@@ -176,7 +176,7 @@ def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W: 
             tl.store(dst + dst_row[:, None] + cols[None, :], v, mask=hit[:, None] & cm[None, :])
 
 
-@tilecomm.jit(do_not_specialize=["seq"])
+@tilecomm.jit(do_not_specialize=["T", "seq"])
 def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr, route_ptr, slot_ptr, weight_ptr,
                  ready_ptr, consumed_ptr, counter_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
                  K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -291,7 +291,7 @@ def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, ba
         signal_all(ready_ptr + me, seq, W)
 
 
-@tilecomm.jit(do_not_specialize=["seq"])
+@tilecomm.jit(do_not_specialize=["T", "seq"])
 def _combine_recv_kernel(back_ptr, back_w_ptr, topk_ptr, out_ptr, vals_out_ptr, ready_ptr, consumed_ptr, counter_ptr,
                          T, seq, E, E_L, W, M, H, ROW, K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr,
@@ -349,11 +349,6 @@ _SIG_NOTIFY, _SIG_FWD_READY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUME
 _P2 = triton.next_power_of_2
 
 
-def _int_spec(*values) -> tuple:
-    """What Triton specialises an int argument on (== 1, divisible by 16): part of a CachedLaunch key."""
-    return tuple((v == 1) + 2 * (v % 16 == 0) for v in values)
-
-
 class FusedEngine:
     """Normal-mode dispatch/combine over buffers made once here (collective: every rank, same order).
 
@@ -384,7 +379,7 @@ class FusedEngine:
         self._dummies, self._typed_views = {}, {}
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
         # launched through the compiled kernels (no per-call Triton binding: the expand launch follows the
-        # host sync, so its cost would idle the GPU); keys hold what varies between calls
+        # host sync, so its cost would idle the GPU); keys: the dtypes and flags that vary between calls
         self._route, self._send_k, self._expand_k, self._cs, self._cr = (CachedLaunch(k) for k in (
             _route_kernel, _send_kernel, _expand_kernel, _combine_send_kernel, _combine_recv_kernel))
 
@@ -425,7 +420,7 @@ class FusedEngine:
         self.seq[0] += 1
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=x.device)
         nb = max(1, triton.cdiv(T, self.bt))
-        self._route.launch((nb,), (topk.dtype, _int_spec(T)), self._or_dummy(topk, topk.dtype), self._counts,
+        self._route.launch((nb,), topk.dtype, self._or_dummy(topk, topk.dtype), self._counts,
                            self._totals, self._minmax, self._ctr[0],
                              self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, T, self.seq[0], E, E_L, W,
                              K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
@@ -464,7 +459,7 @@ class FusedEngine:
             rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
         st, K = self.state, self.K
         nb = max(1, triton.cdiv(x.shape[0], self.bt))
-        key = (x.dtype, None if x2 is None else x2.dtype, topk.dtype, weights is None, _int_spec(x.shape[0], h2, row2))
+        key = (x.dtype, None if x2 is None else x2.dtype, topk.dtype, weights is None)
         self._send_k.launch((nb,), key, self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32),
                             self._or_dummy(topk, topk.dtype),
                             self._or_dummy(weights, torch.float32), self._counts, self._typed("rows", x.dtype),
@@ -483,7 +478,7 @@ class FusedEngine:
             skip = out.shape[1] * out.element_size() // out2.element_size()
             rows2, out2_arg = self._typed("rows", out2.dtype)[skip:], out2
             h2, row2 = out2.shape[1], self.row_bytes // out2.element_size()
-        key = (out.dtype, None if out2 is None else out2.dtype, out_w is None, _int_spec(h2, row2))
+        key = (out.dtype, None if out2 is None else out2.dtype, out_w is None)
         self._expand_k.launch(
             (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), key, self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
             self._or_dummy(out2_arg, torch.float32), st.route, st.slot, st.weight, self._or_dummy(out_w, torch.float32),
@@ -516,7 +511,7 @@ class FusedEngine:
         out = None if y is None else torch.empty((T, self.H), dtype=dtype, device=dev)
         vals = None if values is None else torch.empty((T, K), dtype=f32, device=dev)
         self._cr.launch(
-            (max(1, triton.cdiv(T, tpp)),), flags + (p.topk_idx.dtype, _int_spec(T)), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
+            (max(1, triton.cdiv(T, tpp)),), flags + (p.topk_idx.dtype,), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
             self._or_dummy(vals, f32), self._sig[_SIG_BWD_READY], self._sig[_SIG_BWD_CONSUMED], self._ctr[4], T,
             self.seq[2], self.E, self.E_L, self.W, self.M, self.H, row, K=K, BT=tpp, BLOCK_T=_P2(tpp),
             BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
