@@ -28,12 +28,25 @@ def _device_time(e) -> float:
     return 0.0
 
 
+def _is_annotation(e) -> bool:
+    """A profiler/record_function range shown on the GPU timeline (ProfilerStep#, Optimizer.step#...), not a kernel."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.key.startswith("ProfilerStep") or "#" in e.key
+
+
 def top_tables(events, steps: int, rows: int = 20) -> str:
-    """The two tables of the module docstring from `prof.key_averages()`."""
-    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA and _device_time(e) > 0]
+    """The two tables of the module docstring from `prof.key_averages()`. Per-step figures divide by the
+    steps the GPU timeline holds (its ProfilerStep ranges; `steps` where there are none)."""
+    on_gpu = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA and _device_time(e) > 0]
+    gpu_steps = sum(e.count for e in on_gpu if e.key.startswith("ProfilerStep"))
+    steps = gpu_steps or steps
+    kernels = [e for e in on_gpu if not _is_annotation(e)]
     ops = [e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA and _device_time(e) > 0]
+    if not kernels:  # a CPU run: operators by their own CPU time
+        cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+        return "\n".join([f"no GPU kernels; top operators by self CPU time ({steps} step(s)):  ms/step  calls/step  name"] + [
+            f"  {e.self_cpu_time_total / steps / 1e3:9.2f}  {e.count / steps:9.1f}  {e.key[:110]}" for e in cpu])
     total = sum(_device_time(e) for e in kernels) or 1.0
-    lines: List[str] = [f"GPU time per step: {total / steps / 1e3:.1f} ms over {steps} profiled step(s)"]
+    lines: List[str] = [f"GPU kernel time per step: {total / steps / 1e3:.1f} ms ({steps} profiled step(s) on the GPU timeline)"]
     for title, group in (("kernels", kernels), ("operators (self: kernels they launch)", ops)):
         lines.append(f"top {title}:  ms/step   share  calls/step  name")
         for e in sorted(group, key=_device_time, reverse=True)[:rows]:
@@ -55,7 +68,7 @@ class StepProfiler:
         self.summary: Optional[str] = None
         self.trace_path = os.path.join(out_dir, "trace.json.gz")
         self.prof = torch.profiler.profile(activities=activities, on_trace_ready=self._ready,
-                                           schedule=torch.profiler.schedule(wait=wait, warmup=1, active=active))
+                                           schedule=torch.profiler.schedule(wait=wait, warmup=1, active=active, repeat=1))
         self.prof.__enter__()
 
     def _ready(self, prof) -> None:

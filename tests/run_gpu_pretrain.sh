@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The pretraining preset on one GPU, before/after: one device-machine call, a table last.
-#   bash tests/run_gpu_pretrain.sh [RUN ...]      RUN: base tests eager compile (default: all)
+#   bash tests/run_gpu_pretrain.sh [RUN ...]      RUN: base eager compile rerun tests (default: base eager compile tests)
 # Trees (each imported through a symlinked package folder, no install):
 #   .base/  the commit to compare with (git archive <commit> | tar -x -C .base; carried, git-ignored)
 #   .new/   the code to measure (git archive HEAD; default: this tree)
@@ -40,14 +40,17 @@ train() {  # train NAME TREE PKG FLAGS...
 }
 
 has base && train base "$ROOT/.base" /tmp/pkg_base
+has eager && TAIL=50 train eager "$NEW" /tmp/pkg_new --no-checkpoint --profile  # profiles steps 5-7 (before 10)
+has compile && train compile "$NEW" /tmp/pkg_new --no-checkpoint --compile
+has rerun && STEPS=20 train rerun "$ROOT/.base" /tmp/pkg_base  # the base again: its own run-to-run spread
 if has tests; then
   echo "== GPU tests: fused ops, compiled blocks"
   (cd "$NEW" && PYTHONPATH=/tmp/pkg_new:/tmp/site timeout 400 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_moe_ops.py tests/test_pretrain.py -k "${TEST_K:-not ep2 and not checkpoint and not context_parallel and not example and not dtype0}" \
-    2>&1 | tee "$OUT/tests.log" | tail -6)
+    2>&1 | tee "$OUT/tests.log" | tail -4)
+  (cd "$NEW" && PYTHONPATH=/tmp/pkg_new:/tmp/site timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_moe_layer.py -k "compiled_moe_layer and dtype1" 2>&1 | tee -a "$OUT/tests.log" | tail -2)
 fi
-has eager && TAIL=50 train eager "$NEW" /tmp/pkg_new --no-checkpoint --profile  # profiles steps 5-7 (before 10)
-has compile && train compile "$NEW" /tmp/pkg_new --no-checkpoint --compile
 
 python3 - "$OUT" <<'EOF'
 import json, os, sys
@@ -55,9 +58,9 @@ out = sys.argv[1]
 def load(name):
     path = os.path.join(out, f"{name}.jsonl")
     return [json.loads(l) for l in open(path)] if os.path.exists(path) else None
-base = load("base")
+base = load("base") or load("rerun")
 print(f"{'run':8s} {'steps':>5s} {'tok/s':>8s} {'ms/step':>8s} {'MFU':>6s} {'TFLOP/s':>8s} {'loss0':>7s} {'loss19':>7s} {'max rel dloss (0-19)':>20s}")
-for name in ("base", "eager", "compile"):
+for name in ("base", "eager", "compile", "rerun"):
     rows = load(name)
     if not rows:
         continue

@@ -207,3 +207,13 @@ def test_fused_loss_equals_logits_loss():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="targets"):
         _model(1, "local")(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_profile_writes_a_trace_and_prints_tables(tmp_path):
+    printed = []
+    cfg = TrainConfig(**{**_train_cfg(str(tmp_path), 9).__dict__, "profile": True, "save": False})
+    Trainer(_model(1, "local"), MarkovSource(vocab=32, seed=3), cfg, log=printed.append).train()
+    text = "\n".join(printed)
+    assert "top operators" in text and "aten::" in text, text
+    assert (tmp_path / "trace.json.gz").stat().st_size > 0 and not (tmp_path / "checkpoint").exists()
+    assert "steps 0-8" in printed[-1]  # the summary (fewer steps than summary_from: all of them)
