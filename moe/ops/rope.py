@@ -5,8 +5,8 @@
 q and k get the interleaved rotation: the pair (x[2i], x[2i+1]) at position p = offset + s turns by
 the angle whose cosine / sine are cos[p, i] / sin[p, i] (tables [max_seq, hd/2], fp32):
     (x[2i] c - x[2i+1] s,  x[2i] s + x[2i+1] c);   v is passed through.
-The kernel writes q, k (rotated) and v into one new [B, S, 3, nh, hd] tensor (a few tokens per
-program, whole heads per load), so q, k, v are the same strided views of it that slicing qkv gives. The backward
+The kernel writes q, k (rotated) and v into one new [B, S, 3, nh, hd] tensor (one program per
+token and part), so q, k, v are the same strided views of it that slicing qkv gives. The backward
 turns the gradients of q and k back (the same kernel with -sin) and writes dqkv in one tensor.
 """
 from __future__ import annotations
@@ -18,30 +18,28 @@ import triton.language as tl
 from ._common import Kernel, use_triton
 
 
-def _rope_kernel(src_ptr, src_sb, src_ss, src_sh, dst_ptr, dst_sb, dst_ss, dst_sh, cos_ptr, sin_ptr, T, S, offset,
-                 sign, NH, HD, ROTATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NH: tl.constexpr,
-                 BLOCK_HD: tl.constexpr):
-    """BLOCK_T tokens (t = b * S + s) per program, all heads of one part; strides in elements, the head
-    dim contiguous. Loads and stores whole heads (coalesced); the pair partner x[d ^ 1] is a second
-    load of the same lines: out[d] = x[d] c - x[d + 1] s (d even), x[d] c + x[d - 1] s (d odd)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
-    h = tl.arange(0, BLOCK_NH)[None, :, None]
-    d = tl.arange(0, BLOCK_HD)[None, None, :]
-    mask = (t < T) & (h < NH) & (d < HD)
-    b, s = (t // S).to(tl.int64), (t % S).to(tl.int64)
-    src = src_ptr + b * src_sb + s * src_ss + h * src_sh
-    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+def _rope_kernel(src_ptr, src_sb, src_ss, src_sh, dst_ptr, dst_sb, dst_ss, dst_sh, cos_ptr, sin_ptr, S, offset,
+                 sign, NH, HALF, ROTATE: tl.constexpr, BLOCK_NH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One (b, s) per program: all heads of one part; strides in elements, the head dim contiguous."""
+    pid = tl.program_id(0)
+    b = (pid // S).to(tl.int64)
+    s = (pid % S).to(tl.int64)
+    heads = tl.arange(0, BLOCK_NH)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < NH) & (i < HALF)
+    src = src_ptr + b * src_sb + s * src_ss + heads * src_sh + 2 * i
+    dst = dst_ptr + b * dst_sb + s * dst_ss + heads * dst_sh + 2 * i
+    x_even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x_odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
-        partner = tl.load(src + (d ^ 1), mask=mask, other=0.0).to(tl.float32)
-        table = (s + offset) * (HD // 2) + d // 2
-        c = tl.load(cos_ptr + table, mask=(t < T) & (d < HD), other=0.0)
-        sn = tl.load(sin_ptr + table, mask=(t < T) & (d < HD), other=0.0) * sign
-        x = x * c + partner * tl.where(d % 2 == 0, -sn, sn)
-    tl.store(dst_ptr + b * dst_sb + s * dst_ss + h * dst_sh + d, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        c = tl.load(cos_ptr + (s + offset) * HALF + i, mask=i < HALF, other=0.0)
+        sn = tl.load(sin_ptr + (s + offset) * HALF + i, mask=i < HALF, other=0.0) * sign
+        x_even, x_odd = x_even * c - x_odd * sn, x_even * sn + x_odd * c
+    tl.store(dst, x_even.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + 1, x_odd.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 _ROPE = Kernel(_rope_kernel)
-BLOCK_T = 4
 
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, cos, sin, offset: int, rotate: bool, sign: float) -> None:
@@ -49,10 +47,9 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, cos, sin, offset: int, rotate:
     B, S, nh, hd = src.shape
     if B * S == 0:
         return
-    _ROPE[(triton.cdiv(B * S, BLOCK_T),)](src, src.stride(0), src.stride(1), src.stride(2), dst, dst.stride(0),
-                                          dst.stride(1), dst.stride(2), cos, sin, B * S, S, offset, sign, nh, hd,
-                                          ROTATE=rotate, BLOCK_T=BLOCK_T, BLOCK_NH=triton.next_power_of_2(nh),
-                                          BLOCK_HD=triton.next_power_of_2(hd))
+    _ROPE[(B * S,)](src, src.stride(0), src.stride(1), src.stride(2), dst, dst.stride(0), dst.stride(1),
+                    dst.stride(2), cos, sin, S, offset, sign, nh, hd // 2, ROTATE=rotate,
+                    BLOCK_NH=triton.next_power_of_2(nh), BLOCK_HALF=triton.next_power_of_2(hd // 2))
 
 
 def _as_bshd(t: torch.Tensor) -> torch.Tensor:
