@@ -173,6 +173,8 @@ class Dispatcher:
         """Run the body on this Dispatcher's stream when async_op (CUDA); yields a list to put outputs in."""
         outputs: list = []
         if not (async_op and inputs[0].is_cuda):
+            if self._stream is not None and inputs[0].is_cuda:  # calls share buffers: keep them in order
+                torch.cuda.current_stream().wait_stream(self._stream)
             yield outputs
             return
         if self._stream is None:
