@@ -11,7 +11,19 @@ from torch.distributed import ReduceOp
 from .. import runtime
 from ..errors import require
 
-_REDUCE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3}
+_REDUCE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3}  # kernel OP
+_OP_CODES = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3, ReduceOp.AVG: 4}  # custom op
+_REDUCE_OP_OF_CODE = {code: op for op, code in _OP_CODES.items()}
+
+
+def _compiling(what: str, async_op: bool) -> bool:
+    """Under torch.compile the calls go through the custom ops of ops.py (one graph node each)."""
+    if not torch.compiler.is_compiling():
+        return False
+    if async_op:
+        raise ValueError(f"{what}: async_op=True is not available under torch.compile (the compiled graph orders "
+                         "the collective on its stream already)")
+    return True
 
 
 class Work:
@@ -135,6 +147,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         raise ValueError(f"{what}: output {tuple(output.shape)} and input {tuple(input.shape)} must agree past dim 0")
     in_splits = _splits(what, "input_split_sizes", input_split_sizes, input.shape[0], ctx.world_size)
     out_splits = _splits(what, "output_split_sizes", output_split_sizes, output.shape[0], ctx.world_size)
+    if _compiling(what, async_op):
+        output.copy_(torch.ops.tilecomm.all_to_all_single(input, out_splits, in_splits, output.shape[0]))
+        return None
     if input.requires_grad and torch.is_grad_enabled():
         result = _AllToAll.apply(input, out_splits, in_splits, tuple(output.shape))
         output.copy_(result)
@@ -189,6 +204,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     if output_tensor.numel() != ctx.world_size * input_tensor.numel():
         raise ValueError(f"{what}: output_tensor has {output_tensor.numel()} elements; expected world_size "
                          f"({ctx.world_size}) × input_tensor's {input_tensor.numel()}")
+    if _compiling(what, async_op):
+        output_tensor.copy_(torch.ops.tilecomm.all_gather_into_tensor(input_tensor, output_tensor.numel())
+                            .view(output_tensor.shape))
+        return None
     if input_tensor.requires_grad and torch.is_grad_enabled():
         output_tensor.copy_(_AllGather.apply(input_tensor, tuple(output_tensor.shape)))
     else:
@@ -213,6 +232,9 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if input.numel() != ctx.world_size * output.numel():
         raise ValueError(f"{what}: input has {input.numel()} elements; expected world_size ({ctx.world_size}) × "
                          f"output's {output.numel()}")
+    if _compiling(what, async_op):
+        output.copy_(torch.ops.tilecomm.reduce_scatter_tensor(input, _OP_CODES[op], output.numel()).view(output.shape))
+        return None
     if input.requires_grad and torch.is_grad_enabled():
         if op != ReduceOp.SUM:
             raise ValueError(f"{what}: autograd is defined for op=SUM only, got {op}")
