@@ -26,27 +26,26 @@ def _sync(on_gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
-def per_call_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:
+def _seconds_per_call(fn: Callable[[], object], iters: int, warmup: int, on_gpu: bool, wait: bool) -> float:
     for _ in range(warmup):
         fn()
     _sync(on_gpu)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    if wait:
+        _sync(on_gpu)
+    elapsed = time.perf_counter() - start
     _sync(on_gpu)
-    return (time.perf_counter() - start) / iters * 1e6
+    return elapsed / iters
+
+
+def per_call_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:
+    return _seconds_per_call(fn, iters, warmup, on_gpu, wait=True) * 1e6
 
 
 def host_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(on_gpu)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    _sync(on_gpu)
-    return elapsed / iters * 1e6
+    return _seconds_per_call(fn, iters, warmup, on_gpu, wait=False) * 1e6
 
 
 def kernels_per_call(fn: Callable[[], object], on_gpu: bool = True):
