@@ -36,6 +36,16 @@ def test_bench_cli_on_cpu_ranks(tmp_path, op, size):
     assert rows and all(r["op"] == op and r["tilecomm_us"] > 0 and r["baseline_us"] > 0 for r in rows)
 
 
+def test_bench_self_on_a_cpu_rank(tmp_path):
+    """The world-1 benchmark runs every row on a CPU rank (toy sizes: a smoke test, not a measurement)."""
+    out = tmp_path / "self.json"
+    _run(["-m", "tilecomm.bench", "self", "--backend", "cpu", "--iters", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    ops = [r["op"] for r in rows]
+    assert any(o.startswith("all_to_all_single") for o in ops) and any(o.startswith("combine low_latency") for o in ops)
+    assert all("error" not in r and r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
+
+
 def _example_module():
     import importlib.util
 

@@ -61,10 +61,11 @@ class Table:
             out: Optional[torch.Tensor] = None, check_graph: bool = False, iters: Optional[int] = None) -> None:
         n = iters or self.iters
         g = self.on_gpu
-        us = measure.per_call_us(fn, n, on_gpu=g)
-        floor = measure.per_call_us(floor_fn, n, on_gpu=g)
+        warm = min(5, n)
+        us = measure.per_call_us(fn, n, warm, on_gpu=g)
+        floor = measure.per_call_us(floor_fn, n, warm, on_gpu=g)
         kernels, gpu_us = measure.kernels_per_call(fn, g)
-        row = dict(op=name, us=us, floor_us=floor, ratio=us / floor, host_us=measure.host_us(fn, n, on_gpu=g),
+        row = dict(op=name, us=us, floor_us=floor, ratio=us / floor, host_us=measure.host_us(fn, n, warm, on_gpu=g),
                    gpu_us=gpu_us, kernels=kernels, syncs=measure.host_syncs(fn, g),
                    graph=measure.graph_replays(fn, out, g) if (check_graph and out is not None) else None)
         self.rows.append(row)
