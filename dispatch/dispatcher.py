@@ -280,5 +280,5 @@ class Dispatcher:
             shape = (handle.num_recv_rows, handle.hidden)
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != shape:
             raise ValueError(f"combine: y must be {list(shape)} (res.x's shape), got {getattr(y, 'shape', type(y))}")
-        if not y.is_floating_point() or y.element_size() > torch.empty((), dtype=self.dtype).element_size():
+        if not y.is_floating_point() or y.element_size() > self.dtype.itemsize:
             raise TypeError(f"combine: y dtype {y.dtype}; expected a floating dtype no wider than {self.dtype}")

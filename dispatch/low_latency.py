@@ -291,7 +291,7 @@ class LowLatencyEngine:
 
     def _staging(self, name: str, dtype: torch.dtype):
         """(flat view of buffer `name` as dtype, elements per staged row)."""
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if self.H * size > self.row_bytes:
             raise ValueError(f"low-latency dispatch: rows of {self.H} x {dtype} do not fit the staging rows "
                              f"({self.row_bytes} bytes: hidden x {self.dtype})")

@@ -333,7 +333,7 @@ class FusedPlan:
 
     topk_idx: [T, K] the caller's routing (kept, not copied); plan: [W + 1 + E_l * W + E_l] int64 on the
     device: first received token of each source then N, first output row of each (local expert, source),
-    tokens per expert; token_rows: [N, K] int32 output row of each received pair (-1: expert elsewhere);
+    tokens per expert; token_rows: [>= N, K] int32 output row of each received pair (-1: expert elsewhere);
     tokens_per_expert: [E_l] int64 view of plan; N received tokens (all sources), R output rows."""
 
     topk_idx: torch.Tensor
@@ -402,7 +402,7 @@ class FusedEngine:
         return self._typed_views[key]
 
     def _row(self, dtype: torch.dtype, cols: int, what: str) -> int:
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if cols * size > self.row_bytes:
             raise ValueError(f"{what}: rows of {cols} x {dtype} do not fit the Dispatcher's staging rows "
                              f"({self.row_bytes} bytes: hidden={self.H} x {self.dtype})")
@@ -429,13 +429,14 @@ class FusedEngine:
             self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()
         self._send(x, x2, topk, topk_weights.float().contiguous())
+        token_rows = torch.empty((W * self.M, K), dtype=torch.int32, device=x.device)  # >= N rows; made before the sync
         if self.cuda:
             self._event.synchronize()  # the one host sync: R and N size the outputs
         R, N, lo, hi = (self._info_host if self.cuda else self._info).tolist()
         out = torch.empty((R, x.shape[1]), dtype=x.dtype, device=x.device)
         out_w = torch.empty(R, dtype=torch.float32, device=x.device)
         out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)
-        p = FusedPlan(topk, plan, torch.empty((N, K), dtype=torch.int32, device=x.device), plan[-E_L:], T, N, R)
+        p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R)
         self._expand(p, out, out_w, out2)
         if lo < -1 or hi >= E:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"dispatch: topk_idx values must be in [-1, {E}), got min {lo}, max {hi}")
