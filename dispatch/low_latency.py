@@ -28,7 +28,6 @@ waits only for earlier launches of peers: CPU ranks (the interpreter) never dead
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
