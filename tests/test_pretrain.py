@@ -144,7 +144,7 @@ def test_context_parallel_attention_matches_full_sequence(ranks, world):
 
 def cp_train(out_dir, steps):
     """Context parallel over both ranks (dp = 1), experts over both ranks (ep = 2)."""
-    world, rank = tilecomm.world_size(), tilecomm.rank()
+    world = tilecomm.world_size()
     groups = ParallelLayout(world, cp=world, ep=world).create_groups()
     torch.manual_seed(0)
     moe = MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, topk=2, router=dict(aux_loss_coeff=0.0), seed=1,

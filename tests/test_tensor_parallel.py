@@ -113,7 +113,7 @@ def _train_cfg(out_dir, steps, resume=False, batch_size=2):
 
 
 def tp_train(out_dir, steps, tp, ep, dispatcher, stop_at=None, resume=False):
-    world, rank = tilecomm.world_size(), tilecomm.rank()
+    world = tilecomm.world_size()
     groups = ParallelLayout(world, tp=tp, ep=ep).create_groups()
     def over_ep_group():  # expert parallel over this rank's EP group only
         return make_dispatcher(_moe(), "nccl", group=groups.ep)

@@ -91,7 +91,7 @@ class PermuteFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, row_pair, pair_row):
-        R, (T, H) = row_pair.shape[0], x.shape
+        R, H = row_pair.shape[0], x.shape[1]
         out = torch.empty(R, H, dtype=x.dtype, device=x.device)
         if out.numel():
             _PERMUTE[(triton.cdiv(R, BLOCK_R), triton.cdiv(H, BLOCK_H))](x, row_pair, out, R, H, pair_row.shape[1],

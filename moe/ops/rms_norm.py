@@ -82,8 +82,10 @@ class RMSNormFn(torch.autograd.Function):
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch version (what the model computed before the kernel; fp32 statistics)."""
-    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * weight
+    """The torch version: fp32 statistics and normalisation, rounded once to x's dtype, times weight
+    (for fp32 x what the model computed before the kernel)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

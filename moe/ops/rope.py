@@ -83,10 +83,12 @@ class RopeQKVFn(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Reference: x (B, nh, S, D), tables starting at x's first position -> x rotated (x's dtype)."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[: x.shape[2]].to(x.dtype), sin[: x.shape[2]].to(x.dtype)
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    """Reference: x (B, nh, S, D), tables starting at x's first position -> x rotated (x's dtype;
+    the products in fp32 or wider, as the kernel)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x[..., 0::2].to(acc), x[..., 1::2].to(acc)
+    cos, sin = cos[: x.shape[2]].to(acc), sin[: x.shape[2]].to(acc)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 def rope_qkv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0):
