@@ -33,11 +33,12 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 CASES = [
-    (ex._pairs_kernel, {"in_ptr": "*i16", "out_ptr": "*i16", "heap_ptr": "*i16", "words_ptr": I64P, "table_ptr": I64P,
+    (ex._pairs_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_ptr": I64P, "table_ptr": I64P,
                         "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n_even": I64, "P": "i32",
-                        "EVEN": "constexpr", "GATHER": "constexpr", "IN_PLACE": "constexpr", "CHUNK": "constexpr",
-                        "DEPTH": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr"},
-     {"EVEN": False, "GATHER": False, "IN_PLACE": False, "CHUNK": 16384, "DEPTH": 2, "BLOCK": 8192, "VEC": 8}),
+                        "EVEN": "constexpr", "GATHER": "constexpr", "IN_PLACE": "constexpr", "MOVE": "constexpr",
+                        "CHUNK": "constexpr", "DEPTH": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr"},
+     {"EVEN": False, "GATHER": False, "IN_PLACE": False, "MOVE": triton.language.int16, "CHUNK": 65536, "DEPTH": 2,
+      "BLOCK": 16384, "VEC": 8}),
     (ex._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P,
                          "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
                          "OP": "constexpr", "ACC": "constexpr", "AVG": "constexpr", "IN_PLACE": "constexpr",

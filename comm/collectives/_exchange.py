@@ -122,11 +122,16 @@ def _words(words_ptr, P):
 
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n_even", "P"])
 def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring_off, in_heap_off, n_even, P,
-                  EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr,
+                  EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr, MOVE: tl.constexpr,
                   CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
-    the input). Offsets and counts in elements; with EVEN every pair moves n_even elements, else
-    table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ... received from p."""
+    the input). in, out and heap are moved as MOVE (an integer type of the element's width, so the
+    caller passes its tensors as they are). Offsets and counts in elements; with EVEN every pair moves
+    n_even elements, else table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ...
+    received from p."""
+    in_ptr = in_ptr.to(tl.pointer_type(MOVE))
+    out_ptr = out_ptr.to(tl.pointer_type(MOVE))
+    heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
     meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
     pid = tl.program_id(0)
     k = pid // P

@@ -57,7 +57,7 @@ def _check_group(what: str, group, world: int) -> None:
 def _check_tensor(what: str, name: str, t, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != device.type:
+    if t.is_cuda != (device.type == "cuda"):
         raise ValueError(f"{what}: {name} is on {t.device}, the runtime's tensors are on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{what}: {name} must be contiguous (got strides {tuple(t.stride())})")
@@ -105,11 +105,11 @@ def _offsets(counts: List[int]) -> List[int]:
 
 
 def _words(t: torch.Tensor):
-    """t flattened, and how many moved elements make one of t's (16-byte complex moves as two int64)."""
-    flat = t.reshape(-1)
-    if flat.element_size() > 8:
-        return flat.view(torch.int64), flat.element_size() // 8
-    return flat, 1
+    """t (contiguous), and how many moved elements make one of t's: complex numbers move as int64 words
+    (complex128 as two), which Triton can type."""
+    if t.is_complex():
+        return t.reshape(-1).view(torch.int64), t.element_size() // 8
+    return t, 1
 
 
 def _a2a(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
@@ -165,7 +165,7 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op) -> None:
-    src, out = input.reshape(-1), output.view(-1)
+    src, out = input, output
     if src.is_complex():  # a complex sum is the sum of its real and imaginary parts
         src, out = torch.view_as_real(src).reshape(-1), torch.view_as_real(out).reshape(-1)
     runtime.current().collectives.reduce_scatter(src, out, _REDUCE_OPS[op], average=op == ReduceOp.AVG)

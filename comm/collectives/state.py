@@ -38,7 +38,7 @@ _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
 _BLOCK_BYTES = 32 << 10
 # Element types moved bit for bit as an integer of the same width (all_to_all, all_gather).
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 def _accumulator(dtype: torch.dtype):
@@ -100,7 +100,8 @@ class CollectiveState:
         state._max_w = triton.next_power_of_2(W)
         state._pairs = CachedLaunch(kx._pairs_kernel)
         state._reduce = CachedLaunch(kx._reduce_kernel)
-        state._heap_views = {}  # the heap as each element type the kernels move (views made once here)
+        state._heap_u8 = heap.local
+        state._heap_views = {}  # the heap as each element type reduce_scatter adds (views made once here)
         for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                       torch.float32, torch.float64):
             state._heap_views[dtype] = heap.local.view(dtype)
@@ -164,11 +165,10 @@ class CollectiveState:
     # -- the collectives ----------------------------------------------------------------------------
     def exchange(self, src: torch.Tensor, out: torch.Tensor, send: Optional[Sequence[Tuple[int, int]]],
                  recv: Optional[Sequence[Tuple[int, int]]], n_even: int, gather: bool) -> None:
-        """all_to_all / all_gather on flat contiguous tensors. send[p] / recv[p] = (element offset,
-        count) to / from p; None with n_even elements per pair (offset p * n_even, or 0 for gather)."""
+        """all_to_all / all_gather on contiguous tensors (any shape, elements of 1-8 bytes). send[p] /
+        recv[p] = (element offset, count) to / from p; None with n_even elements per pair (offset
+        p * n_even, or 0 for gather)."""
         elem = src.element_size()
-        move = _BITS[elem]
-        src, out = src.view(move), out.view(move)
         if send is None:  # offsets are multiples of n_even
             send_ok = recv_ok = n_even * elem % 16 == 0
         else:
@@ -179,16 +179,16 @@ class CollectiveState:
         table = self.words if send is None else self._table(send, recv)
         even = send is None
         self._pairs.launch(
-            (self.ctx.world_size * self.programs_per_peer,), (elem, even, gather, in_place, aligned),
-            src, out, self._heap_views[move], self.words, table, self.ctx.device_state.error,
+            (self.ctx.world_size * self.programs_per_peer,), (src.dtype, out.dtype, even, gather, in_place, aligned),
+            src, out, self._heap_u8, self.words, table, self.ctx.device_state.error,
             self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, EVEN=even, GATHER=gather,
-            IN_PLACE=in_place, **self._launch_config(elem, aligned))
+            IN_PLACE=in_place, MOVE=_BITS[elem], **self._launch_config(elem, aligned))
         if send is not None:
             self._after_launch()
         self._raise_mismatch_now()
 
     def reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, op: int, average: bool) -> None:
-        """out[j] = op over ranks of their src[rank * n + j] (flat contiguous tensors, n = out.numel())."""
+        """out[j] = op over ranks of their src[rank * n + j] (contiguous tensors, n = out.numel())."""
         n = out.numel()
         elem = src.element_size()
         in_heap_off, in_place = self._placement(src, n * elem % 16 == 0)
