@@ -63,7 +63,7 @@ class NormalConfig:
         if device.type == "cuda":
             return NormalConfig()
         h = min(256, triton.next_power_of_2(hidden))  # the interpreter: few programs, small tiles
-        return NormalConfig(send_block_h=h, block_h=h, tokens_per_program=8, num_warps=1)
+        return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -366,7 +366,8 @@ class FusedEngine:
         self.state = SymmetricState("Dispatcher(mode='normal')", normal_specs(W, num_experts, max_tokens, topk, hidden,
                                                                               dtype), zeroed=("sig",))
         self.row_bytes = row_bytes(hidden, dtype)
-        self.bt = max(1, min(16, self.cfg.pairs_per_program // _P2(topk)))  # route/send tokens per program
+        # route/send tokens per program (the interpreter on CPU ranks: fewer, larger programs)
+        self.bt = max(1, min(16 if self.cuda else 64, self.cfg.pairs_per_program // _P2(topk)))
         self._counts = torch.zeros((triton.cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
         self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
