@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import tilecomm
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TokenFile, TrainConfig,
-                          Trainer, Transformer, parallelize)
+                          Trainer, Transformer, make_dispatcher, parallelize)
 from tilecomm.moe import checkpoint
 
 PRESETS = {
@@ -97,8 +97,14 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
                         router=dict(aux_loss_coeff=1e-2), seed=args.seed,
                         max_tokens_per_rank=tcfg.batch_size * tcfg.seq_len)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
-    model = Transformer(mcfg, moe_layer=lambda i: MoELayer(moe_cfg, dispatcher=args.dispatcher if world > 1 else "local",
-                                                           device=device))
+    first: list = []  # the MoE layers share one dispatcher's symmetric buffers (they dispatch one after another)
+
+    def moe_layer(i: int) -> MoELayer:
+        d = make_dispatcher(moe_cfg, args.dispatcher if world > 1 else "local", share_with=first[0] if first else None)
+        first.append(d)
+        return MoELayer(moe_cfg, dispatcher=d, device=device)
+
+    model = Transformer(mcfg, moe_layer=moe_layer)
     model = parallelize(model, tp_group=tp_group, cp_group=cp_group).to(device)
     return data, mcfg, moe_cfg, tcfg, model
 

@@ -113,17 +113,20 @@ class LocalDispatcher:
         return unpermute(y, handle.topk_weights, handle.pair_row, handle.row_pair)
 
 
-def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None):
+def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None, share_with=None):
     """"local" (LocalDispatcher), "tilecomm" / "nccl" (tilecomm.dispatch.Dispatcher over the EP world),
-    or "auto": tilecomm when its runtime is up with more than one rank, else local."""
+    or "auto": tilecomm when its runtime is up with more than one rank, else local. share_with: another
+    layer's dispatcher of the same config, whose symmetric buffers this one reuses (the layers of a model
+    dispatch one after another, so one set of buffers serves them all)."""
     if kind == "auto":
         import tilecomm
         kind = "tilecomm" if tilecomm.is_initialized() and tilecomm.world_size() > 1 else "local"
     if kind == "local":
         return LocalDispatcher(config.num_experts, config.hidden, config.topk, config.dtype)
     from tilecomm.dispatch import Dispatcher
+    buffers = getattr(share_with, "buffers", None)
     return Dispatcher(config.num_experts, config.hidden, config.max_tokens_per_rank, config.topk, config.dtype,
-                      group=group, backend=kind)
+                      group=group, backend=kind, buffers=buffers)
 
 
 class MoELayer(nn.Module):
