@@ -7,7 +7,8 @@ import torch
 class ErrorRecord:
     """int64 words [code, rank, a, b, c, d] a kernel fills once (first error wins), the host reads.
     Codes: 1 wait timed out (a = signal address, b = expected, c = last seen, d = comparison), 2 a collective's counts
-    disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E)."""
+    disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E),
+    6 ranks in different collectives (a = peer, b = this rank's tag, c = the peer's; collectives/_exchange.py)."""
 
     def __init__(self, words: torch.Tensor):
         self.error = words
@@ -44,4 +45,11 @@ class ErrorRecord:
                                    getattr(self, "timeout_s", float("nan")), where=f"{where}, recorded on the device")
         if code == 3:
             raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
-        raise PeerMismatchError(f"rank {rank}: a collective expected {b} elements from rank {a}, which offers {c}")
+        if code == 6:
+            from .collectives._exchange import describe_tag
+
+            raise PeerMismatchError(f"rank {rank} called {describe_tag(b)} while rank {a} called {describe_tag(c)}: "
+                                    "every rank must call the same collectives in the same order")
+        raise PeerMismatchError(
+            f"rank {rank} expected {b} elements from rank {a}, but rank {a} offers {c} (output_split_sizes on rank "
+            f"{rank} and input_split_sizes on rank {a} disagree, or the ranks called different collectives)")

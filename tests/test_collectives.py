@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import tilecomm
+from tilecomm.errors import PeerMismatchError
 from _reference import all_to_all_ref, dev, gather_all, reduce_scatter_ref
 from conftest import BACKEND
 
@@ -345,3 +346,27 @@ def compiled_matches_eager():
 
 def test_torch_compile_fullgraph_matches_eager(ranks):
     ranks(2).run(compiled_matches_eager)
+
+
+def different_collectives():
+    """Rank 0 calls all_gather_into_tensor while rank 1 calls all_to_all_single with the same sizes: both
+    ranks raise PeerMismatchError naming both collectives (nothing is moved), and the next matched call works."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    x = torch.randn(world * 4, device=dev())
+    out = torch.empty(world * world * 4 if rank == 0 else world * 4, device=dev())
+    with pytest.raises(PeerMismatchError, match="called all_(gather_into_tensor|to_all_single) of 4-byte elements "
+                                                "while rank \\d called all_"):
+        if rank == 0:
+            tilecomm.all_gather_into_tensor(out, x)
+        else:
+            tilecomm.all_to_all_single(out, x)
+        tilecomm.check_errors()  # GPUs record it on the device: raised here or at the next call
+    good = torch.empty_like(x)
+    tilecomm.all_to_all_single(good, x)
+    ref = torch.empty_like(x)
+    dist.all_to_all_single(ref, x)
+    assert torch.equal(good, ref)
+
+
+def test_ranks_in_different_collectives_raise(ranks):
+    ranks(2).run(different_collectives)

@@ -39,6 +39,18 @@ from .. import language as tcl
 from ..jit import jit
 
 ERR_COUNT_MISMATCH = 2
+ERR_OP_MISMATCH = 6
+# The header's tag: which collective a rank is in, and its element size (ranks must call the same ones
+# in the same order; a reader that finds another tag records ERR_OP_MISMATCH).
+OPS = {1: "all_to_all_single", 2: "all_gather_into_tensor", 3: "reduce_scatter_tensor"}
+
+
+def op_tag(op: int, elem: int) -> int:
+    return op * 16 + elem
+
+
+def describe_tag(tag: int) -> str:
+    return f"{OPS.get(tag // 16, f'op {tag // 16}')} of {tag % 16}-byte elements"
 
 
 @jit
@@ -91,24 +103,30 @@ def _chunks_of(count, q, P, chunk):
 
 
 @jit
-def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constexpr, base):
-    """Header of one pair slot: where my data for dst lies (heap element offset), how much, and whether
-    dst reads it in place (else through my ring); then SET dst's ready word to the epoch."""
+def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constexpr, TAG: tl.constexpr, base):
+    """Header of one pair slot: where my data for dst lies (heap element offset), how much, whether dst
+    reads it in place (else through my ring) and which collective this is; then SET dst's ready word."""
     tl.store(meta_ptr + 4 * slot, offset)
     tl.store(meta_ptr + 4 * slot + 1, count)
     tl.store(meta_ptr + 4 * slot + 2, tl.full((), IN_PLACE, tl.int64))
+    tl.store(meta_ptr + 4 * slot + 3, tl.full((), TAG, tl.int64))
     tcl.signal(ready_ptr + slot, base, dst, tcl.SIGNAL_SET)
 
 
 @jit
-def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base):
-    """Wait for src's header on `slot`; return (heap offset of its data, count to move, in place?)."""
+def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base, TAG: tl.constexpr):
+    """Wait for src's header on `slot`; return (heap offset of its data, count to move, in place?, the
+    count src offers). A different collective or count on src is recorded as a device error."""
     tok = tcl.wait(ready_ptr + slot, base, tcl.CMP_GE)
     remote = tcl.consume_token(tcl.symm_at(meta_ptr, src), tok)
     offset = tl.load(remote + 4 * slot, cache_modifier=".cg")
     offered = tl.load(remote + 4 * slot + 1, cache_modifier=".cg")
     in_place = tl.load(remote + 4 * slot + 2, cache_modifier=".cg")
-    if offered != expected:
+    tag = tl.load(remote + 4 * slot + 3, cache_modifier=".cg")
+    if tag != TAG:
+        _record_error(err_ptr, 6, src, TAG, tag)
+        offered = offered * 0  # move nothing from a rank in another collective
+    elif offered != expected:
         _record_error(err_ptr, 2, src, expected, offered)
     return offset, tl.minimum(offered, expected), in_place, offered
 
@@ -123,7 +141,8 @@ def _words(words_ptr, P):
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n_even", "P"])
 def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring_off, in_heap_off, n_even, P,
                   EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr, MOVE: tl.constexpr,
-                  CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                  TAG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
+                  VEC: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
     the input). in, out and heap are moved as MOVE (an integer type of the element's width, so the
     caller passes its tensors as they are). Offsets and counts in elements; with EVEN every pair moves
@@ -154,8 +173,9 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
         s_cnt = tl.load(table_ptr + 2 * dst + 1)
         r_off = tl.load(table_ptr + 2 * W + 2 * src)
         r_cnt = tl.load(table_ptr + 2 * W + 2 * src + 1)
-    _publish(meta_ptr, ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, base)
-    remote_off, cnt, remote_in_place, offered = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base)
+    _publish(meta_ptr, ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, TAG, base)
+    remote_off, cnt, remote_in_place, offered = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base,
+                                                             TAG)
     # interleave my sends to dst with my receives from src, chunk by chunk (a pair's chunking follows from
     # its writer's count, which both ends know)
     s_chunk = _chunk_size(s_cnt, P, CHUNK)
@@ -232,7 +252,7 @@ def _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, s, length, MASKED: tl.co
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n", "P"])
 def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
-                   VEC: tl.constexpr, MAX_W: tl.constexpr):
+                   VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the pair slots k * P + q of every k."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
@@ -246,9 +266,10 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     for k in range(0, W):  # my header to every reader
         dst = (me + k) % W
         tl.store(epoch_ptr + k * P + q, e)
-        _publish(meta_ptr, ready_ptr, k * P + q, dst, in_heap_off + dst.to(tl.int64) * n64, n64, IN_PLACE, base)
+        _publish(meta_ptr, ready_ptr, k * P + q, dst, in_heap_off + dst.to(tl.int64) * n64, n64, IN_PLACE, TAG,
+                 base)
     for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
-        _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base)
+        _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base, TAG)
     # each writer's header, read once: is its data in place, and where (element offsets from my heap)
     ps = tl.arange(0, MAX_W)
     slots = ((me + W - ps) % W) * P + q

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import PeerMismatchError, require
+from ..errors import require
 from ..jit import CachedLaunch
 from . import _exchange as kx
 
@@ -182,7 +182,8 @@ class CollectiveState:
             (self.ctx.world_size * self.programs_per_peer,), (src.dtype, out.dtype, even, gather, in_place, aligned),
             src, out, self._heap_u8, self.words, table, self.ctx.device_state.error,
             self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, EVEN=even, GATHER=gather,
-            IN_PLACE=in_place, MOVE=_BITS[elem], **self._launch_config(elem, aligned))
+            IN_PLACE=in_place, MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem),
+            **self._launch_config(elem, aligned))
         if send is not None:
             self._after_launch()
         self._raise_mismatch_now()
@@ -197,17 +198,11 @@ class CollectiveState:
             (self.programs_per_peer,), (src.dtype, op, average, in_place, aligned),
             src, out, self._heap_views[src.dtype], self.words, self.ctx.device_state.error,
             self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype),
-            AVG=average, IN_PLACE=in_place, MAX_W=self._max_w, **self._launch_config(elem, aligned))
+            AVG=average, IN_PLACE=in_place, MAX_W=self._max_w, TAG=kx.op_tag(3, elem),
+            **self._launch_config(elem, aligned))
         self._raise_mismatch_now()
 
     def _raise_mismatch_now(self) -> None:
-        """CPU ranks ran the kernel already: raise a count mismatch at once (GPUs: at the next call)."""
-        if self.ctx.backend != "cpu":
-            return
-        err = self.ctx.device_state.take_error(code=kx.ERR_COUNT_MISMATCH)
-        if err is not None:
-            _, rank, peer, expected, got = err
-            raise PeerMismatchError(
-                f"rank {rank} expected {expected} elements from rank {peer}, but rank {peer} offers {got} "
-                f"(output_split_sizes on rank {rank} and input_split_sizes on rank {peer} disagree, or the "
-                "ranks called different collectives)")
+        """CPU ranks ran the kernel already: raise what it recorded at once (GPUs: at the next call)."""
+        if self.ctx.backend == "cpu":
+            self.ctx.device_state.raise_if_error()

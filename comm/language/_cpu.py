@@ -150,6 +150,7 @@ def wait(sig, value, cmp):
         if np.all(compare_numpy(words, expected, cmp)):
             return seen
         if time.monotonic() > deadline:
+            ctx.device_state.raise_if_error()  # a recorded error (e.g. a peer in another collective) is the cause
             addr = int(np.asarray(_py(sig)).reshape(-1)[0])
             raise WaitTimeoutError(ctx.rank, addr, int(np.asarray(expected).reshape(-1)[0]), CMP_NAMES[cmp],
                                    int(words.reshape(-1)[0]), ctx.timeout_s, where=ctx.heap.describe(addr))
