@@ -9,6 +9,8 @@
 |                           |           | starts, RankPool joins (a finite number > 0)                   |
 | TILECOMM_HEAP_BYTES       | 256 MiB   | size of each rank's symmetric heap                             |
 | TILECOMM_WORKSPACE_BYTES  | 1/4 heap  | staging space the collectives keep on the heap                 |
+| TILECOMM_CHECK            | 0         | 1: GPU kernels check every tcl.put/get/symm_at/signal PE and    |
+|                           |           | heap address (CPU ranks always do); read once at import         |
 | TILECOMM_TRANSPORT        | nvlink    | GPU kernels: "nvlink" (direct loads/stores, NVSHMEM for peers  |
 |                           |           | without a mapping) or "nvshmem" (NVSHMEM device calls always); |
 |                           |           | read once at import, because kernels compile it in             |
@@ -76,6 +78,13 @@ def heap_bytes() -> int:
 
 def workspace_bytes(heap: int) -> int:
     return _parse_bytes("TILECOMM_WORKSPACE_BYTES", heap // 4)
+
+
+def check() -> bool:
+    raw = os.environ.get("TILECOMM_CHECK", "0").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"TILECOMM_CHECK={raw!r}: expected 0 or 1")
+    return raw == "1"
 
 
 def transport() -> str:

@@ -103,7 +103,7 @@ class CudaDeviceState(ErrorRecord):
         self.timeout_s = ctx.timeout_s
         self.heap = heap
         host = [ctx.rank, ctx.world_size, int(ctx.timeout_s * 1e9), self.ctrl.data_ptr(), self.error.data_ptr(),
-                heap.base, 0, 0]
+                heap.base, heap.nbytes, 0]
         self.state.zero_()
         self.state[: 8 + len(bases)].copy_(torch.tensor(host + bases, dtype=torch.int64))
         _gpu.set_state_address(self.state.data_ptr())

@@ -8,7 +8,9 @@ class ErrorRecord:
     """int64 words [code, rank, a, b, c, d] a kernel fills once (first error wins), the host reads.
     Codes: 1 wait timed out (a = signal address, b = expected, c = last seen, d = comparison), 2 a collective's counts
     disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E),
-    6 ranks in different collectives (a = peer, b = this rank's tag, c = the peer's; collectives/_exchange.py)."""
+    6 ranks in different collectives (a = peer, b = this rank's tag, c = the peer's; collectives/_exchange.py),
+    7 / 8 a tcl primitive's PE out of range / address off the heap under TILECOMM_CHECK=1 (a = pe or address,
+    b = world or pe; language/_gpu.py)."""
 
     def __init__(self, words: torch.Tensor):
         self.error = words
@@ -45,6 +47,13 @@ class ErrorRecord:
                                    getattr(self, "timeout_s", float("nan")), where=f"{where}, recorded on the device")
         if code == 3:
             raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
+        if code in (7, 8):
+            from .errors import OutOfBoundsError
+
+            what = f"pe={a} is out of range [0, {b})" if code == 7 else \
+                f"address 0x{a:x} (for pe {b}) is not on the symmetric heap"
+            raise OutOfBoundsError(f"rank {rank}: a tcl primitive's {what} (TILECOMM_CHECK=1, found on the device; "
+                                   "the operation was skipped)")
         if code == 6:
             from .collectives._exchange import describe_tag
 

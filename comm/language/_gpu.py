@@ -3,7 +3,13 @@
 Device state (an int64 array in device memory, one per process, address compiled in as the
 constexpr STATE_ADDR): [0] rank, [1] world size, [2] wait timeout in ns, [3] address of the
 control words on the symmetric heap, [4] address of the error record (pinned host memory),
-[5] this rank's heap base, [8 + pe] rank pe's heap base as mapped here (0 = not mapped: NVSHMEM).
+[5] this rank's heap base, [6] heap bytes, [8 + pe] rank pe's heap base as mapped here (0 = not
+mapped: NVSHMEM).
+
+With TILECOMM_CHECK=1 (read at import: kernels compile it in) put/get/symm_at/signal check that the
+PE is in [0, world) and that the symmetric address range lies inside the heap; a bad one is recorded
+(error codes 7 and 8) and skipped (symm_at returns the local address), and the host raises
+OutOfBoundsError at the next launch or check. CPU ranks always check (_cpu.py).
 
 Transports: with TRANSPORT_NVSHMEM false (default) a peer with a mapping is reached by plain
 loads/stores and sys-scope acquire/release atomics on its mapped address; a peer without one
@@ -22,6 +28,9 @@ from .. import _env
 
 STATE_ADDR = tl.constexpr(0)
 TRANSPORT_NVSHMEM = tl.constexpr(_env.transport() == "nvshmem")
+CHECK = tl.constexpr(_env.check())  # TILECOMM_CHECK=1: bounds checks in put/get/symm_at/signal (debug)
+ERR_BAD_PE = tl.constexpr(7)
+ERR_OFF_HEAP = tl.constexpr(8)
 COPY_BLOCK = tl.constexpr(4096)  # elements per step of one program: 32 per thread at 4 warps
 ERR_WAIT_TIMEOUT = tl.constexpr(1)
 
@@ -197,6 +206,37 @@ def _delta_elems(ptr, pe):
     return delta // 4096 * (4096 // elem)
 
 
+@triton.jit
+def _record(code, a, b):
+    state = _state_ptr()
+    err = tl.load(state + 4).to(tl.pointer_type(tl.int64))
+    if tl.load(err, volatile=True) == 0:
+        tl.store(err + 1, tl.load(state))
+        tl.store(err + 2, tl.cast(a, tl.int64))
+        tl.store(err + 3, tl.cast(b, tl.int64))
+        tl.store(err, code)
+
+
+@triton.jit
+def _in_bounds(ptr, nelems, pe):
+    """TILECOMM_CHECK: pe in [0, world) and [ptr, ptr + nelems) inside this rank's heap, for every element of
+    a block of pointers or PEs (one answer for the block); a violation is recorded (code 7 bad PE, else 8)."""
+    state = _state_ptr()
+    world = tl.load(state + 1)
+    ok_pe = (pe >= 0) & (pe < world)
+    off = ptr.to(tl.int64) - tl.load(state + 5)
+    end = off + tl.cast(nelems, tl.int64) * (ptr.dtype.element_ty.primitive_bitwidth // 8)
+    ok = ok_pe & (off >= 0) & (end <= tl.load(state + 6))
+    one = tl.full((1,), 1, tl.int32)  # any shape -> at least one dimension, for the reductions
+    all_ok = tl.min(ok.to(tl.int32) & one, axis=0) != 0
+    if tl.min(ok_pe.to(tl.int32) & one, axis=0) == 0:
+        _record(ERR_BAD_PE, tl.min(tl.where(ok_pe, 2147483647, pe) + 0 * one, axis=0), world)
+    elif not all_ok:
+        _record(ERR_OFF_HEAP, tl.min(tl.where(ok, 9223372036854775807, ptr.to(tl.int64)) + 0 * one, axis=0),
+                tl.max(pe + 0 * one, axis=0))
+    return all_ok
+
+
 # ---- primitives ------------------------------------------------------------------------------------
 @triton.jit
 def rank():
@@ -210,7 +250,10 @@ def num_ranks():
 
 @triton.jit
 def symm_at(ptr, pe):
-    return ptr + _delta_elems(ptr, pe)
+    delta = _delta_elems(ptr, pe)
+    if CHECK:
+        delta = tl.where(_in_bounds(ptr, 1, pe), delta, 0)
+    return ptr + delta
 
 
 @triton.jit
@@ -220,6 +263,15 @@ def _nbytes(ptr, nelems):
 
 @triton.jit
 def put(dst, src, nelems, pe):
+    if CHECK:
+        if _in_bounds(dst, nelems, pe):
+            _put(dst, src, nelems, pe)
+    else:
+        _put(dst, src, nelems, pe)
+
+
+@triton.jit
+def _put(dst, src, nelems, pe):
     if _via_nvshmem(pe):
         _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
@@ -228,6 +280,15 @@ def put(dst, src, nelems, pe):
 
 @triton.jit
 def get(dst, src, nelems, pe):
+    if CHECK:
+        if _in_bounds(src, nelems, pe):
+            _get(dst, src, nelems, pe)
+    else:
+        _get(dst, src, nelems, pe)
+
+
+@triton.jit
+def _get(dst, src, nelems, pe):
     if _via_nvshmem(pe):
         _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
     else:
@@ -243,6 +304,15 @@ def _signal_nvshmem(sig, value, pe, op: tl.constexpr):
 @triton.jit
 def signal(sig, value, pe, op: tl.constexpr):
     tl.debug_barrier()  # every thread of the program has issued its stores
+    if CHECK:
+        if _in_bounds(sig, 1, pe):
+            _signal(sig, value, pe, op)
+    else:
+        _signal(sig, value, pe, op)
+
+
+@triton.jit
+def _signal(sig, value, pe, op: tl.constexpr):
     if _via_nvshmem(pe):
         _signal_nvshmem(sig, value, pe, op)
     else:
