@@ -13,22 +13,29 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _compile(transport: str) -> dict:
-    env = dict(os.environ, TILECOMM_TRANSPORT=transport)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "gpu_compile.py")], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+def _start(env_update: dict) -> subprocess.Popen:
+    env = dict(os.environ, **env_update)
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_compile.py")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _rows(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {r["kernel"]: r for r in rows}
 
 
 @pytest.fixture(scope="module")
-def nvshmem_available():
+def compiled():
+    """Both transports' builds, compiled side by side (two processes: CI's two cores)."""
     pytest.importorskip("nvidia.nvshmem", reason="nvidia-nvshmem-cu13 (the test extra) provides libnvshmem_device.bc")
+    procs = {t: _start({"TILECOMM_TRANSPORT": t}) for t in ("nvlink", "nvshmem")}
+    return {t: _rows(p) for t, p in procs.items()}
 
 
-def test_kernels_compile_for_sm90_nvlink_transport(nvshmem_available):
-    rows = _compile("nvlink")
+def test_kernels_compile_for_sm90_nvlink_transport(compiled):
+    rows = compiled["nvlink"]
     assert len(rows) == 23 and all(r["cubin_bytes"] > 0 for r in rows.values())
     assert rows["_exchange._pairs_kernel"]["release_sys_atomic"]  # signal: release at system scope
     assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_exchange._reduce_kernel"]["vector_16B"]
@@ -40,7 +47,7 @@ def test_kernels_compile_for_sm90_nvlink_transport(nvshmem_available):
         assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
 
 
-def test_kernels_compile_for_sm90_nvshmem_transport(nvshmem_available):
-    rows = _compile("nvshmem")
+def test_kernels_compile_for_sm90_nvshmem_transport(compiled):
+    rows = compiled["nvshmem"]
     assert len(rows) == 23
     assert rows["_exchange._pairs_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]

@@ -87,3 +87,16 @@ def test_500_mixed_collectives_on_3_ranks_give_0_wrong_results(ranks):
     seed = int(torch.randint(1 << 30, (1,)))  # fresh inputs every run; printed on failure
     wrong = ranks(3).run(soak, seed, ITERATIONS)
     assert all(w == [] for w in wrong), f"seed {seed}: wrong results by rank {wrong}"
+
+
+def test_500_random_routing_dispatch_iterations_on_3_ranks(ranks):
+    """Soak: 250 normal-mode and 250 low-latency dispatch + combine calls with random routing (uneven T,
+    E, K, H, -1 ids, zero-token ranks, repeated experts in normal mode, back to back on reused buffers),
+    each compared bit for bit with the torch reference (test_dispatch.random_loop_body raises on the first
+    difference)."""
+    from test_dispatch import random_loop_body
+
+    seed = int(torch.randint(1 << 20, (1,)))  # fresh routing every run
+    pool = ranks(3)
+    for mode in ("normal", "low_latency"):
+        pool.run(random_loop_body, mode, 250, seed)
