@@ -250,10 +250,7 @@ def num_ranks():
 
 @triton.jit
 def symm_at(ptr, pe):
-    delta = _delta_elems(ptr, pe)
-    if CHECK:
-        delta = tl.where(_in_bounds(ptr, 1, pe), delta, 0)
-    return ptr + delta
+    return ptr + tl.where(_allowed(ptr, 1, pe), _delta_elems(ptr, pe), 0)
 
 
 @triton.jit
@@ -262,37 +259,30 @@ def _nbytes(ptr, nelems):
 
 
 @triton.jit
-def put(dst, src, nelems, pe):
+def _allowed(ptr, nelems, pe):
+    """True, or under TILECOMM_CHECK=1 whether pe and the symmetric range pass the bounds check."""
+    ok = tl.full((), 1, tl.int1)
     if CHECK:
-        if _in_bounds(dst, nelems, pe):
-            _put(dst, src, nelems, pe)
-    else:
-        _put(dst, src, nelems, pe)
+        ok = _in_bounds(ptr, nelems, pe)
+    return ok
 
 
 @triton.jit
-def _put(dst, src, nelems, pe):
-    if _via_nvshmem(pe):
-        _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
-    else:
-        _copy(dst + _delta_elems(dst, pe), src, nelems, "")
+def put(dst, src, nelems, pe):
+    if _allowed(dst, nelems, pe):
+        if _via_nvshmem(pe):
+            _nvshmem_putmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
+        else:
+            _copy(dst + _delta_elems(dst, pe), src, nelems, "")
 
 
 @triton.jit
 def get(dst, src, nelems, pe):
-    if CHECK:
-        if _in_bounds(src, nelems, pe):
-            _get(dst, src, nelems, pe)
-    else:
-        _get(dst, src, nelems, pe)
-
-
-@triton.jit
-def _get(dst, src, nelems, pe):
-    if _via_nvshmem(pe):
-        _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
-    else:
-        _copy(dst, src + _delta_elems(src, pe), nelems, ".cg")
+    if _allowed(src, nelems, pe):
+        if _via_nvshmem(pe):
+            _nvshmem_getmem_block(dst.to(tl.int64), src.to(tl.int64), _nbytes(dst, nelems), tl.cast(pe, tl.int32))
+        else:
+            _copy(dst, src + _delta_elems(src, pe), nelems, ".cg")
 
 
 @triton.jit
@@ -304,10 +294,7 @@ def _signal_nvshmem(sig, value, pe, op: tl.constexpr):
 @triton.jit
 def signal(sig, value, pe, op: tl.constexpr):
     tl.debug_barrier()  # every thread of the program has issued its stores
-    if CHECK:
-        if _in_bounds(sig, 1, pe):
-            _signal(sig, value, pe, op)
-    else:
+    if _allowed(sig, 1, pe):
         _signal(sig, value, pe, op)
 
 
