@@ -103,3 +103,16 @@ class SymmetricHeap:
         self.local = None
         self.peers = []
         self._free, self._used = [], {}
+
+
+class NamedViews:
+    """Mixin for objects that own named tensors on the heap: `obj.<name>` reads `obj.<VIEWS>[name]`
+    (VIEWS names the dict attribute; the dispatch and overlap workspaces use it)."""
+
+    VIEWS = "views"
+
+    def __getattr__(self, name):
+        views = self.__dict__.get(type(self).VIEWS, {})
+        if name in views:
+            return views[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or buffer {name!r}")

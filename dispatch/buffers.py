@@ -21,6 +21,7 @@ from typing import Dict, Iterable, Tuple
 import torch
 
 import tilecomm
+from tilecomm.heap import NamedViews
 
 ALIGN = 256  # bytes between views: every dtype, 16-byte vector access
 Spec = Tuple[Tuple[int, ...], torch.dtype]
@@ -68,7 +69,7 @@ def _padded(shape, dtype) -> int:
     return -(-math.prod(shape) * _itemsize(dtype) // ALIGN) * ALIGN
 
 
-class SymmetricState:
+class SymmetricState(NamedViews):
     """Named symmetric views (attributes, e.g. `state.rows`) over one heap allocation.
 
     what: owner's name for messages; specs: name -> (shape, dtype); zeroed: names cleared before use
@@ -86,12 +87,6 @@ class SymmetricState:
         for name in zeroed:
             self.views[name].zero_()
         tilecomm.barrier()  # zeroed words are zero everywhere before a peer signals into them
-
-    def __getattr__(self, name):
-        views = self.__dict__.get("views", {})
-        if name in views:
-            return views[name]
-        raise AttributeError(name)
 
     @property
     def nbytes(self) -> int:

@@ -28,6 +28,7 @@ import tilecomm
 import tilecomm.language as tcl
 
 from tilecomm.errors import PeerMismatchError
+from tilecomm.heap import NamedViews
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,15 @@ def team_of(group, what: str) -> Team:
     return team
 
 
-class OpWorkspace:
+class OpWorkspace(NamedViews):
     """Symmetric buffers of one fused op over one team, allocated once (collectively over the world).
 
     specs: name -> (shape, dtype, zeroed); each buffer is the leading prod(shape) elements of a flat
     symmetric allocation whose length is the largest any rank asked for. `begin(fingerprint)` starts a
     call and returns its epoch (1, 2, ...: the same on every member); `free()` (collective) returns the
     buffers once no kernel uses them any more."""
+
+    VIEWS = "buffers"
 
     def __init__(self, team: Team, op: str, specs: dict[str, tuple[tuple, torch.dtype, bool]]):
         ctx = tilecomm.current()
@@ -86,12 +89,6 @@ class OpWorkspace:
             self._flat.append(flat)
             self.buffers[name] = flat[:math.prod(shape)].view(shape)
         tilecomm.barrier()  # zeroed words are zero everywhere before any peer signals into them
-
-    def __getattr__(self, name):
-        buffers = self.__dict__.get("buffers", {})
-        if name in buffers:
-            return buffers[name]
-        raise AttributeError(name)
 
     def begin(self, fingerprint: tuple) -> int:
         """The next call's epoch. At first use, every rank's fingerprint is compared with its team's."""
