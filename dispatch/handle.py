@@ -16,7 +16,7 @@ class DispatchHandle:
 
     num_tokens: T tokens dispatched here; hidden: H; topk: K; num_recv_rows: R, the rows of res.x;
     tokens_per_expert: [E_local] int64 on the device; backend: "tilecomm" or "nccl";
-    plan: the backend's index maps (normal.FusedPlan for "tilecomm", reference.ReferencePlan for "nccl");
+    plan: the backend's index maps (normal_engine.FusedPlan for "tilecomm", reference.ReferencePlan for "nccl");
     row_weights: [R] float32 routing weight of each row (set by dispatch; gradients reach topk_weights).
     A handle may be combined any number of times, in the same order on every rank."""
 

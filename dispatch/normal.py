@@ -17,6 +17,7 @@ dispatch is three launches and one host read:
    out[row_off[e, s] + slot] for each of its pairs here (local expert, then source, then token, then k).
    Last program: SET consumed[me] = seq on every s.
 
+Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
 The host reads (R, N) after route (one D2H copy while send runs: the only sync) to size the output.
 Combine (two launches, no host sync):
 4. combine_send (received tokens): partial = sum_k coef * y[row] over the token's pairs here (fp32,
@@ -30,7 +31,6 @@ stores). Sums are mul-then-add in reference.py's order with FMA contraction off:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -38,10 +38,8 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from tilecomm.jit import CachedLaunch
 
 from ._device import last_program, peer_offset, signal_all, wait_all
-from .buffers import SymmetricState, normal_specs, row_bytes
 
 _BIG = tl.constexpr(2 ** 63 - 1)
 
@@ -324,198 +322,3 @@ def _combine_recv_kernel(back_ptr, back_w_ptr, topk_ptr, out_ptr, vals_out_ptr, 
         tl.store(vals_out_ptr + tok[:, None] * K + kk[None, :], vals, mask=pm)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)
-
-
-# ---- host side -------------------------------------------------------------------------------------
-@dataclass
-class FusedPlan:
-    """What one fused dispatch leaves for combine and the backward passes (this rank's part).
-
-    topk_idx: [T, K] the caller's routing (kept, not copied); plan: [W + 1 + E_l * W + E_l] int64 on the
-    device: first received token of each source then N, first output row of each (local expert, source),
-    tokens per expert; token_rows: [>= N, K] int32 output row of each received pair (-1: expert elsewhere);
-    tokens_per_expert: [E_l] int64 view of plan; N received tokens (all sources), R output rows."""
-
-    topk_idx: torch.Tensor
-    plan: torch.Tensor
-    token_rows: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    num_tokens: int
-    num_recv_tokens: int
-    num_recv_rows: int
-
-
-_SIG_NOTIFY, _SIG_FWD_READY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUMED = range(5)
-_P2 = triton.next_power_of_2
-
-
-class FusedEngine:
-    """Normal-mode dispatch/combine over buffers made once here (collective: every rank, same order).
-
-    Same interface as reference.ReferenceEngine: dispatch / redispatch / combine. Symmetric state: see
-    buffers.normal_specs; local scratch: per-block expert counts, launch counters, the (R, N) words
-    the host reads. `free()` returns the symmetric bytes (collective)."""
-
-    def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype):
-        ctx = tilecomm.current()
-        W, dev = ctx.world_size, ctx.device
-        self.W, self.E, self.E_L, self.M, self.K, self.H, self.dtype = (W, num_experts, num_experts // W, max_tokens,
-                                                                        topk, hidden, dtype)
-        self.cuda = dev.type == "cuda"
-        self.cfg = NormalConfig.for_device(dev, hidden)
-        self.state = SymmetricState("Dispatcher(mode='normal')", normal_specs(W, num_experts, max_tokens, topk, hidden,
-                                                                              dtype), zeroed=("sig",))
-        self.row_bytes = row_bytes(hidden, dtype)
-        # route/send tokens per program (the interpreter on CPU ranks: fewer, larger programs)
-        self.bt = max(1, min(16 if self.cuda else 64, self.cfg.pairs_per_program // _P2(topk)))
-        self._counts = torch.zeros((triton.cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
-        self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-        self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
-        counters = torch.zeros(5, dtype=torch.int32, device=dev)
-        self._ctr = [counters[i:i + 1] for i in range(5)]
-        self._sig = [self.state.sig[i] for i in range(5)]
-        self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
-        self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=self.cuda)
-        self._event = torch.cuda.Event() if self.cuda else None
-        self._dummies, self._typed_views = {}, {}
-        self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
-        # launched through the compiled kernels (no per-call Triton binding: the expand launch follows the
-        # host sync, so its cost would idle the GPU); keys: the dtypes and flags that vary between calls
-        self._route, self._send_k, self._expand_k, self._cs, self._cr = (CachedLaunch(k) for k in (
-            _route_kernel, _send_kernel, _expand_kernel, _combine_send_kernel, _combine_recv_kernel))
-
-    def free(self) -> None:
-        self.state.free()
-
-    # -- helpers -------------------------------------------------------------------------------------
-    def _or_dummy(self, t: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """t, or a small tensor of dtype where t is None or empty (kernels get a valid pointer either way)."""
-        if t is not None and t.numel():
-            return t
-        if dtype not in self._dummies:
-            self._dummies[dtype] = torch.zeros(16, dtype=dtype, device=self._info.device)
-        return self._dummies[dtype]
-
-    def _typed(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        key = (name, dtype)
-        if key not in self._typed_views:
-            self._typed_views[key] = self.state.views[name].view(-1).view(dtype)
-        return self._typed_views[key]
-
-    def _row(self, dtype: torch.dtype, cols: int, what: str) -> int:
-        size = dtype.itemsize
-        if cols * size > self.row_bytes:
-            raise ValueError(f"{what}: rows of {cols} x {dtype} do not fit the Dispatcher's staging rows "
-                             f"({self.row_bytes} bytes: hidden={self.H} x {self.dtype})")
-        return self.row_bytes // size
-
-    # -- dispatch ------------------------------------------------------------------------------------
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 x2: Optional[torch.Tensor] = None):
-        """x [T, H], topk_idx [T, K], topk_weights [T, K] (, x2 [T, H2]: a second payload, e.g. FP8 scales)
-        -> (rows [R, H], weights [R] float32, rows2 [R, H2] or None, FusedPlan). One host sync."""
-        self.state.check_live()
-        W, E, E_L, K, cfg = self.W, self.E, self.E_L, self.K, self.cfg
-        T = x.shape[0]
-        topk = topk_idx.contiguous()
-        self.seq[0] += 1
-        plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=x.device)
-        nb = max(1, triton.cdiv(T, self.bt))
-        self._route.launch((nb,), topk.dtype, self._or_dummy(topk, topk.dtype), self._counts,
-                           self._totals, self._minmax, self._ctr[0],
-                             self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, T, self.seq[0], E, E_L, W,
-                             K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
-                             BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), num_warps=cfg.num_warps)
-        if self.cuda:
-            self._info_host.copy_(self._info, non_blocking=True)
-            self._event.record()
-        self._send(x, x2, topk, topk_weights.float().contiguous())
-        token_rows = torch.empty((W * self.M, K), dtype=torch.int32, device=x.device)  # >= N rows; made before the sync
-        if self.cuda:
-            self._event.synchronize()  # the one host sync: R and N size the outputs
-        R, N, lo, hi = (self._info_host if self.cuda else self._info).tolist()
-        out = torch.empty((R, x.shape[1]), dtype=x.dtype, device=x.device)
-        out_w = torch.empty(R, dtype=torch.float32, device=x.device)
-        out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)
-        p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R)
-        self._expand(p, out, out_w, out2)
-        if lo < -1 or hi >= E:  # every kernel of the call ran: peers are not left waiting
-            raise ValueError(f"dispatch: topk_idx values must be in [-1, {E}), got min {lo}, max {hi}")
-        return out, out_w, out2, p
-
-    def redispatch(self, p: FusedPlan, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [R, H] with p's routing (no host sync)."""
-        self.state.check_live()
-        self._send(x, None, p.topk_idx, None)
-        out = torch.empty((p.num_recv_rows, x.shape[1]), dtype=x.dtype, device=x.device)
-        self._expand(p, out, None, None)
-        return out
-
-    def _send(self, x, x2, topk, weights) -> None:
-        self.seq[1] += 1
-        row = self._row(x.dtype, x.shape[1], "dispatch")
-        h2, row2, rows2, align2 = 0, 0, None, 1
-        if x2 is not None:
-            row2 = self._row(x2.dtype, x.shape[1] * x.element_size() // x2.element_size() + x2.shape[1], "dispatch")
-            h2, align2 = x2.shape[1], 16 // x2.element_size()
-            rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
-        st, K = self.state, self.K
-        nb = max(1, triton.cdiv(x.shape[0], self.bt))
-        key = (x.dtype, None if x2 is None else x2.dtype, topk.dtype, weights is None)
-        self._send_k.launch((nb,), key, self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32),
-                            self._or_dummy(topk, topk.dtype),
-                            self._or_dummy(weights, torch.float32), self._counts, self._typed("rows", x.dtype),
-                            self._or_dummy(rows2, torch.float32), st.route, st.slot, st.weight,
-                            self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED], self._ctr[1], x.shape[0],
-                            self.seq[1], self.E, self.E_L, self.W, self.M, x.shape[1], row, h2, row2, K=K, BT=self.bt,
-                            BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt), BLOCK_K=_P2(K), BLOCK_B=16,
-                            BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h, ALIGN=16 // x.element_size(), ALIGN2=align2,
-                            WITH_META=weights is not None, HAS_X2=x2 is not None, num_warps=self.cfg.num_warps)
-
-    def _expand(self, p: FusedPlan, out, out_w, out2) -> None:
-        st, K, tpp = self.state, self.K, self.cfg.tokens_per_program
-        h2 = row2 = 0
-        rows2 = out2_arg = None
-        if out2 is not None:
-            skip = out.shape[1] * out.element_size() // out2.element_size()
-            rows2, out2_arg = self._typed("rows", out2.dtype)[skip:], out2
-            h2, row2 = out2.shape[1], self.row_bytes // out2.element_size()
-        key = (out.dtype, None if out2 is None else out2.dtype, out_w is None)
-        self._expand_k.launch(
-            (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), key, self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
-            self._or_dummy(out2_arg, torch.float32), st.route, st.slot, st.weight, self._or_dummy(out_w, torch.float32),
-            self._or_dummy(p.token_rows, torch.int32), p.plan, self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED],
-            self._ctr[2], self.seq[1], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2,
-            K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, FROM_META=out_w is not None,
-            HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
-
-    # -- combine -------------------------------------------------------------------------------------
-    def combine(self, p: FusedPlan, y: Optional[torch.Tensor], coef: Optional[torch.Tensor] = None,
-                values: Optional[torch.Tensor] = None):
-        """y [R, H] (or None), coef [R] float or None (= 1), values [R] float (or None) -> (out [T, H] of
-        y's dtype: sum_k coef * y over each token's rows, values back at each pair [T, K] float32 or None)."""
-        self.state.check_live()
-        self.seq[2] += 1
-        dtype = self.dtype if y is None else y.dtype
-        row = self._row(dtype, self.H, "combine")
-        back = self._typed("back_rows", dtype)
-        st, K, tpp, T, dev = self.state, self.K, self.cfg.tokens_per_program, p.num_tokens, p.plan.device
-        acc = tl.float64 if dtype == torch.float64 else tl.float32
-        f32 = torch.float32
-        flags = (dtype, y is None, coef is None, values is None)
-        self._cs.launch(
-            (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32), self._or_dummy(values, f32),
-            self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w, self._sig[_SIG_BWD_READY],
-            self._sig[_SIG_BWD_CONSUMED], self._ctr[3], self.seq[2], self.W, self.M, self.H, row, K=K, BT=tpp,
-            BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, ALIGN=16 // back.element_size(),
-            HAS_ROWS=y is not None, HAS_COEF=coef is not None, HAS_VALS=values is not None, ACC=acc,
-            num_warps=self.cfg.num_warps, enable_fp_fusion=False)
-        out = None if y is None else torch.empty((T, self.H), dtype=dtype, device=dev)
-        vals = None if values is None else torch.empty((T, K), dtype=f32, device=dev)
-        self._cr.launch(
-            (max(1, triton.cdiv(T, tpp)),), flags + (p.topk_idx.dtype,), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
-            self._or_dummy(vals, f32), self._sig[_SIG_BWD_READY], self._sig[_SIG_BWD_CONSUMED], self._ctr[4], T,
-            self.seq[2], self.E, self.E_L, self.W, self.M, self.H, row, K=K, BT=tpp, BLOCK_T=_P2(tpp),
-            BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
-            num_warps=self.cfg.num_warps, enable_fp_fusion=False)
-        return out, vals

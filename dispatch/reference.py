@@ -73,7 +73,7 @@ class ReferencePlan:
 
 
 class ReferenceEngine:
-    """The engine interface of normal.FusedEngine, in torch ops over `group`."""
+    """The engine interface of normal_engine.FusedEngine, in torch ops over `group`."""
 
     def __init__(self, num_experts: int, rank: int, world: int, group=None):
         self.num_experts, self.rank, self.world, self.group = num_experts, rank, world, group
