@@ -56,13 +56,24 @@ class CollectiveState:
     ctx: object
     programs_per_peer: int
     chunk_bytes: int
+    block_bytes: int  # bytes per load/store step of a program
     ring: torch.Tensor
     words: torch.Tensor
     tables: torch.Tensor
     num_warps: int
+    # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
+    # (views made once), launch constexprs per (element size, alignment), the ring's heap offset, the split
+    # tables' slots (views, the event of the call that last used each, a NumPy view to fill them)
+    _pairs: Optional[CachedLaunch] = None
+    _reduce: Optional[CachedLaunch] = None
+    _heap_views: dict = field(default_factory=dict)
+    _configs: dict = field(default_factory=dict)
+    _max_w: int = 1
+    _ring_offset: int = 0
     _table_views: List[torch.Tensor] = field(default_factory=list)
     _table_events: List[Optional[torch.cuda.Event]] = field(default_factory=list)
-    _graph_tables: List[torch.Tensor] = field(default_factory=list)
+    _tables_np: object = None
+    _graph_tables: List[torch.Tensor] = field(default_factory=list)  # tables of captured calls, kept for replays
     _next_table: "itertools.count" = field(default_factory=itertools.count)
     _last_table: int = 0
 
@@ -94,22 +105,13 @@ class CollectiveState:
         words = heap_tensor((7 * slots,), torch.int64)
         words.zero_()
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
-        state = cls(ctx, P, chunk, ring, words, tables, 8 if on_gpu else 1)
-        state.block_bytes = block_bytes
-        state._configs = {}
-        state._max_w = triton.next_power_of_2(W)
-        state._pairs = CachedLaunch(kx._pairs_kernel)
-        state._reduce = CachedLaunch(kx._reduce_kernel)
-        state._heap_u8 = heap.local
-        state._heap_views = {}  # the heap as each element type reduce_scatter adds (views made once here)
-        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-                      torch.float32, torch.float64):
-            state._heap_views[dtype] = heap.local.view(dtype)
-        state._ring_offset = heap.offset_of(ring)
-        state._table_views = [tables[i] for i in range(TABLE_SLOTS)]
-        state._table_events = [None] * TABLE_SLOTS
-        state._tables_np = tables.numpy()
-        return state
+        dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                  torch.float32, torch.float64)
+        return cls(ctx, P, chunk, block_bytes, ring, words, tables, 8 if on_gpu else 1,
+                   _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
+                   _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
+                   _ring_offset=heap.offset_of(ring), _table_views=[tables[i] for i in range(TABLE_SLOTS)],
+                   _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy())
 
     def free(self) -> None:
         """Return the heap space (finalize does it; the state is unusable afterwards)."""
@@ -180,7 +182,7 @@ class CollectiveState:
         even = send is None
         self._pairs.launch(
             (self.ctx.world_size * self.programs_per_peer,), (src.dtype, out.dtype, even, gather, in_place, aligned),
-            src, out, self._heap_u8, self.words, table, self.ctx.device_state.error,
+            src, out, self._heap_views[torch.uint8], self.words, table, self.ctx.device_state.error,
             self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, EVEN=even, GATHER=gather,
             IN_PLACE=in_place, MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem),
             **self._launch_config(elem, aligned))
