@@ -214,52 +214,14 @@ def _world1_expected(x, idx, w):
     return x[pairs // K], w.float().reshape(-1)[pairs]
 
 
-def _debug_mode_sees_event_syncs() -> bool:
-    """Whether torch.cuda.set_sync_debug_mode flags Event.synchronize (then _event_syncs would count it twice)."""
-    import warnings
-
-    event = torch.cuda.Event()
-    event.record()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            event.synchronize()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return any("synchroniz" in str(w.message).lower() for w in caught)
-
-
-def _event_syncs(fn, on_gpu: bool) -> int:
-    """torch.cuda.Event.synchronize calls in one call (set_sync_debug_mode does not see them)."""
-    if not on_gpu:
-        return 0
-    seen, original = [0], torch.cuda.Event.synchronize
-
-    def counted(event):
-        seen[0] += 1
-        return original(event)
-
-    torch.cuda.Event.synchronize = counted
-    try:
-        fn()
-    finally:
-        torch.cuda.Event.synchronize = original
-    torch.cuda.synchronize()
-    return seen[0]
-
-
 def _self_row(name: str, fn, floor_fn, iters: int, on_gpu: bool) -> dict:
     from . import measure
 
     us = measure.per_call_us(fn, iters, on_gpu=on_gpu)
     floor = measure.per_call_us(floor_fn, iters, on_gpu=on_gpu)
     kernels, gpu_us = measure.kernels_per_call(fn, on_gpu)
-    debug_syncs, event_syncs = measure.host_syncs(fn, on_gpu), _event_syncs(fn, on_gpu)
-    counted = on_gpu and _debug_mode_sees_event_syncs()  # then debug_syncs holds the event syncs already
     row = dict(op=name, us=us, floor_us=floor, ratio=us / floor, host_us=measure.host_us(fn, iters, on_gpu=on_gpu),
-               kernels=kernels, gpu_us=gpu_us, debug_syncs=debug_syncs, event_syncs=event_syncs,
-               syncs=debug_syncs if counted else debug_syncs + event_syncs)
+               kernels=kernels, gpu_us=gpu_us, syncs=measure.host_syncs(fn, on_gpu))
     ratio_bar, us_bar, sync_bar = SELF_BARS[name]
     row["bar"] = f"<= {ratio_bar}x floor" if ratio_bar else f"<= {us_bar} us"
     row["meets_bar"] = bool((row["ratio"] <= ratio_bar if ratio_bar else us <= us_bar) and row["syncs"] <= sync_bar)

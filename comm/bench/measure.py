@@ -5,7 +5,7 @@
     host_us(fn)         the same N calls without the final wait: host time per call
     kernels_per_call(fn) GPU kernels and memcpys of one call and their device time (torch.profiler)
     host_syncs(fn)      synchronising CUDA calls the host makes in one call
-                        (torch.cuda.set_sync_debug_mode("warn"), warnings counted)
+                        (torch.cuda.set_sync_debug_mode("warn") warnings, plus Event.synchronize calls)
     graph_replays(fn, out) capture one call in a CUDA graph, replay it, True if the replay rewrote `out`
                         with the eager result
 
@@ -64,18 +64,29 @@ def kernels_per_call(fn: Callable[[], object], on_gpu: bool = True):
 
 
 def host_syncs(fn: Callable[[], object], on_gpu: bool = True) -> int:
+    """Synchronising calls of one call: what sync debug mode reports, plus torch.cuda.Event.synchronize
+    calls (which it does not see; counted by wrapping the method for the call)."""
     if not on_gpu:
         return 0
     fn()
     torch.cuda.synchronize()
+    events, original = [0], torch.cuda.Event.synchronize
+
+    def counted(event):
+        events[0] += 1
+        return original(event)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = counted
         try:
             fn()
         finally:
+            torch.cuda.Event.synchronize = original
             torch.cuda.set_sync_debug_mode("default")
-    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    torch.cuda.synchronize()
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower()) + events[0]
 
 
 def graph_replays(fn: Callable[[], object], out: torch.Tensor, on_gpu: bool = True) -> Optional[bool]:

@@ -28,6 +28,7 @@ import triton.language as tl
 import tilecomm
 import tilecomm.language as tcl
 
+from . import dispatch as dispatch_bench
 from . import measure
 
 _GPU = dict(rows=4096, small=128, hidden=7168, square=8192, tokens=4096, ll_tokens=128, experts=256, topk=8,
@@ -119,40 +120,6 @@ def _collective_rows(t: Table, s: dict, dtype: torch.dtype, dev: torch.device) -
     tilecomm.free(src)
 
 
-def _routing(tokens: int, experts: int, topk: int, dev: torch.device):
-    scores = torch.rand(tokens, experts, device=dev)
-    idx = scores.topk(topk, dim=1).indices
-    weights = torch.softmax(torch.randn(tokens, topk, device=dev), dim=1)
-    return idx, weights
-
-
-def _dispatch_rows(t: Table, s: dict, dtype: torch.dtype, dev: torch.device) -> None:
-    from tilecomm.dispatch import Dispatcher
-
-    H, E, K = s["hidden"], s["experts"], s["topk"]
-    for mode, T in (("normal", s["tokens"]), ("low_latency", s["ll_tokens"])):
-        d = Dispatcher(E, H, T, K, dtype, mode=mode)
-        x = torch.randn(T, H, device=dev).to(dtype)
-        idx, w = _routing(T, E, K, dev)
-        with torch.no_grad():
-            res = d.dispatch(x, idx, w)
-            rows = res.x.reshape(-1, H)
-            floor_src = torch.randn(T * K, H, device=dev).to(dtype)  # the output rows of one dispatch
-            floor_dst = torch.empty_like(floor_src)
-            graph = mode == "low_latency"
-            t.add(f"dispatch {mode} {T}x{H} top-{K} of {E}", lambda: d.dispatch(x, idx, w),
-                  lambda: floor_dst.copy_(floor_src), check_graph=False)
-            y = rows.view_as(res.x).clone()
-            t.add(f"combine {mode} {T}x{H} top-{K} of {E}", lambda: d.combine(y, res.handle),
-                  lambda: floor_dst.copy_(floor_src), check_graph=False)
-            if graph:
-                out = d.combine(y, res.handle)
-                ok = measure.graph_replays(lambda: out.copy_(d.combine(y, d.dispatch(x, idx, w).handle)), out, t.on_gpu)
-                print(f"low-latency dispatch+combine CUDA graph replay matches eager: {ok}", flush=True)
-        if hasattr(d, "free"):
-            d.free()
-
-
 def _host_profile(s: dict, dtype: torch.dtype, dev: torch.device) -> None:
     """Where the host time of a small all_to_all_single goes (cProfile, top functions by own time)."""
     import cProfile
@@ -196,7 +163,8 @@ def _sweep(t: Table, s: dict, dtype: torch.dtype, dev: torch.device, configs) ->
 
 def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
     """Initialise a one-rank runtime with a heap large enough for the symmetric rows, print the table."""
-    tilecomm.init(backend=backend, heap_bytes=(3 << 29) if backend == "cuda" else (64 << 20))
+    on_gpu = backend == "cuda" or (backend == "auto" and torch.cuda.is_available())
+    tilecomm.init(backend=backend, heap_bytes=(512 << 20 if on_gpu else 32 << 20) + dispatch_bench.self_heap_bytes(on_gpu))
     ctx = tilecomm.current()
     on_gpu = ctx.backend == "cuda"
     s = _GPU if on_gpu else _CPU
@@ -221,7 +189,10 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
         _sweep(t, s, dtype, ctx.device, [(2, 128 << 10, 32 << 10)])
         _host_profile(s, dtype, ctx.device)
     try:
-        _dispatch_rows(t, s, dtype, ctx.device)
+        for row in dispatch_bench.self_rows(iters):  # checked against torch first, then timed like the rows above
+            t.rows.append(row)
+            print(f"{row['op']:46s} {row['us']:9.1f} {row['floor_us']:9.1f} {row['ratio']:6.2f} {row['host_us']:7.1f} "
+                  f"{row['gpu_us']:8.1f} {row['kernels']:4d} {row['syncs']:3d} {row.get('graph')!s:>5}", flush=True)
     except Exception as err:  # keep the collective rows of a run whose dispatch path failed
         print(f"dispatch rows failed: {type(err).__name__}: {err}", flush=True)
         t.rows.append(dict(op="dispatch", error=f"{type(err).__name__}: {err}"))
