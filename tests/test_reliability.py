@@ -132,10 +132,15 @@ def test_the_rank_that_died_is_named():
 def _rank_pids(piddir, world, proc):
     deadline = time.monotonic() + 240
     while len(glob.glob(os.path.join(piddir, "rank*.pid"))) < world:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before its ranks started"
         assert time.monotonic() < deadline, "ranks did not start"
         time.sleep(0.05)
     return [int(open(p).read()) for p in sorted(glob.glob(os.path.join(piddir, "rank*.pid")))]
+
+
+def _shell_like_signals():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
 
 
 def _running(pid):
@@ -150,8 +155,11 @@ def _running(pid):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_ranks_stop_with_their_launcher(tmp_path, sig):
     before = set(glob.glob("/dev/shm/tilecomm-*"))
+    # The launcher starts as from a shell: SIGINT at its default and unblocked (a test process may have
+    # ignored or blocked it, and exec keeps both), and its stderr in a file (a full pipe would block it).
+    err_file = open(tmp_path / "launcher.err", "w+")
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "launcher_job.py"), str(tmp_path), "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=err_file, text=True, preexec_fn=_shell_like_signals)
     try:
         pids = _rank_pids(str(tmp_path), 2, proc)
         assert all(_running(p) for p in pids)
@@ -164,7 +172,7 @@ def test_ranks_stop_with_their_launcher(tmp_path, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.stderr.close()
+        err_file.close()
     assert set(glob.glob("/dev/shm/tilecomm-*")) <= before
 
 
