@@ -4,12 +4,14 @@ before the call and compared exactly with a reference each rank computes alone f
 inputs (drawn from shared seeds). The expected count of wrong results is 0."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.distributed import ReduceOp
 
 import tilecomm
 
-ITERATIONS = 500
+ITERATIONS = int(os.environ.get("TILECOMM_SOAK_ITERATIONS", "500"))  # GPU runs: 1000
 DTYPES = (torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.float64)
 
 
@@ -17,11 +19,12 @@ def _input(seed: int, it: int, rank: int, shape, dtype, scale: int = 1) -> torch
     """Rank `rank`'s input of iteration `it`: small integers (times `scale`), exact in every dtype and
     in any sum; with scale = world size an average is an exact integer too, in any order of operations."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + it * 131 + rank)
-    return (torch.randint(-8, 9, shape, generator=gen) * scale).to(dtype)
+    return (torch.randint(-8, 9, shape, generator=gen) * scale).to(dtype).to(tilecomm.current().device)
 
 
 def _poisoned(shape, dtype) -> torch.Tensor:
-    return torch.full(shape, 77 if not dtype.is_floating_point else float("nan"), dtype=dtype)
+    return torch.full(shape, 77 if not dtype.is_floating_point else float("nan"), dtype=dtype,
+                      device=tilecomm.current().device)
 
 
 def _case(plan: torch.Generator, world: int):
@@ -62,10 +65,10 @@ def _run_one(seed: int, it: int, case, world: int, rank: int):
         inputs = [_input(seed, it, r, (world * rows, cols), dtype, scale) for r in range(world)]
         out = _poisoned((rows, cols), dtype)
         work = tilecomm.reduce_scatter_tensor(out, inputs[rank], op=reduce_op, async_op=is_async)
-        stacked = torch.stack([x.double() for x in inputs])
+        stacked = torch.stack([x.double().cpu() for x in inputs])
         full = {ReduceOp.SUM: stacked.sum(0), ReduceOp.MAX: stacked.max(0).values,
                 ReduceOp.AVG: stacked.sum(0) / world}[reduce_op]
-        expect = full[rank * rows:(rank + 1) * rows].to(dtype)
+        expect = full[rank * rows:(rank + 1) * rows].to(dtype).to(out.device)
     if is_async:
         work.wait()
     return out, expect

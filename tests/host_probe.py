@@ -1,0 +1,120 @@
+"""Where the host time of a small collective goes, stage by stage (one GPU, world 1):
+
+    python tests/host_probe.py
+
+Each line is host µs per call of N calls back to back (no wait), for: the whole public call, the
+argument checks alone, the CollectiveState call alone, CachedLaunch.launch with the call's own
+arguments, the compiled kernel's run() with the values it is handed, and floors: torch's copy_, a
+Triton kernel of 1 and of 20 arguments launched through run(). Not a test (no assertions)."""
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+import tilecomm
+from tilecomm.collectives import api
+from tilecomm.jit import CachedLaunch
+
+
+def host_us(fn, n=2000):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+@triton.jit
+def one_arg(x):
+    pass
+
+
+@triton.jit
+def twenty_args(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t):
+    pass
+
+
+def main():
+    tilecomm.init(backend="cuda", heap_bytes=4 << 30)
+    x = torch.randn(128, 7168, device="cuda").bfloat16()
+    out = torch.empty_like(x)
+    rows = []
+    rows.append(("all_to_all_single (public)", host_us(lambda: tilecomm.all_to_all_single(out, x))))
+    rows.append(("all_gather_into_tensor (public)", host_us(lambda: tilecomm.all_gather_into_tensor(out, x))))
+    rows.append(("  checks: _check_call", host_us(lambda: api._check_call("w", None, "o", out, "i", x))))
+    rows.append(("  checks: _splits x2", host_us(lambda: (api._splits("w", "a", None, 128, 1), api._splits("w", "b", None, 128, 1)))))
+    rows.append(("  _a2a (state + launch)", host_us(lambda: api._a2a(out, x, [128], [128]))))
+
+    captured = {}
+    real_launch = CachedLaunch.launch
+
+    def spy(self, grid, key, *args, **kw):
+        captured["launch"] = (self, grid, key, args, kw)
+        return real_launch(self, grid, key, *args, **kw)
+
+    CachedLaunch.launch = spy
+    tilecomm.all_to_all_single(out, x)
+    CachedLaunch.launch = real_launch
+    self, grid, key, args, kw = captured["launch"]
+    rows.append(("  CachedLaunch.launch", host_us(lambda: self.launch(grid, key, *args, **kw))))
+    kernel, consts = next(iter(self.kernels.values()))
+    values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    g0 = grid[0]
+    rows.append(("  kernel.run (Triton launcher)", host_us(
+        lambda: kernel.run(g0, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *values, *consts))))
+    rows.append(("  data_ptr x4 + stream query", host_us(
+        lambda: (x.data_ptr(), out.data_ptr(), x.data_ptr(), out.data_ptr(), torch._C._cuda_getCurrentRawStream(0)))))
+    rows.append(("  runtime.check_errors", host_us(tilecomm.runtime.check_errors)))
+    rows.append(("floor: out.copy_(x)", host_us(lambda: out.copy_(x))))
+    k1 = one_arg[(1,)](x)
+    rows.append(("floor: 1-arg Triton kernel, run()", host_us(
+        lambda: k1.run(1, 1, 1, stream, k1.function, k1.packed_metadata, None, None, None, x.data_ptr()))))
+    ints = [3] * 19
+    k20 = twenty_args[(1,)](x, *ints)
+    rows.append(("floor: 20-arg Triton kernel, run()", host_us(
+        lambda: k20.run(1, 1, 1, stream, k20.function, k20.packed_metadata, None, None, None, x.data_ptr(), *ints))))
+    rows.append(("floor: 20-arg Triton kernel, kernel[grid]", host_us(lambda: twenty_args[(1,)](x, *ints), n=300)))
+    print("host µs per call (triton", triton.__version__, ")")
+    for name, us in rows:
+        print(f"  {name:45s} {us:8.2f}")
+    low_latency_profile()
+    tilecomm.finalize()
+
+
+def low_latency_profile():
+    """Host µs and a cProfile (own time) of low-latency dispatch and combine, 128 x 7168, top-8 of 256."""
+    import cProfile
+    import pstats
+
+    from tilecomm.dispatch import Dispatcher
+
+    T, H, E, K = 128, 7168, 256, 8
+    d = Dispatcher(E, H, T, K, torch.bfloat16, mode="low_latency")
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    idx = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+    w = torch.softmax(torch.randn(T, K, device="cuda"), dim=1)
+    with torch.no_grad():
+        res = d.dispatch(x, idx, w)
+        y = res.x.clone()
+        print(f"low-latency dispatch host µs {host_us(lambda: d.dispatch(x, idx, w), 300):.1f}, "
+              f"combine {host_us(lambda: d.combine(y, res.handle), 300):.1f}")
+        for name, fn in (("dispatch", lambda: d.dispatch(x, idx, w)), ("combine", lambda: d.combine(y, res.handle))):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"== cProfile of 200 low-latency {name} calls")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+    d.free()
+
+
+if __name__ == "__main__":
+    main()
