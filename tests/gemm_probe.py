@@ -18,7 +18,7 @@ def prof(label, fn):
     fn(); torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
         fn(); torch.cuda.synchronize()
-    ev = [(e.name, e.device_time_total) for e in p.key_averages() if e.device_time_total > 0]
+    ev = [(e.key, e.device_time_total) for e in p.key_averages() if e.device_time_total > 0]
     print(label, "kernels:", [(n[:40], round(t, 1)) for n, t in ev][:8], flush=True)
 
 def wall(label, fn, n=5):

@@ -6,20 +6,15 @@
 # Phases:
 #   gemm   tilecomm's GEMMs (matmul, ag_gemm/gemm_rs at world 1, grouped_mm) beside cuBLAS /
 #          torch._grouped_mm, after a config sweep (one GPU; GEMM_ARGS adds flags) -> $OUT/gemm.json
+#   probe  tests/host_probe.py and tests/gemm_probe.py (diagnostics, one GPU) -> $OUT/*_probe.log
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only)      -> $OUT/tests.log
 #   bench  every tilecomm.bench op against NCCL (needs 2+ GPUs)             -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/tilecomm-gpu}"; mkdir -p "$OUT"
 PHASES="${*:-gemm tests bench train}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
+source tests/gpu_env.sh
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $NGPU  commit: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +dirty)"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -28,6 +23,12 @@ has() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
 
 if has self; then
   timeout "${SELF_TIMEOUT:-300}" python3 -m tilecomm.bench self --json "$OUT/self.json" 2>&1 | grep -v "named symbol not found" | tee "$OUT/self.log"
+fi
+
+if has probe; then  # diagnostics, not benchmarks: host time per stage, the slow GEMM shapes' kernels
+  timeout "${PROBE_TIMEOUT:-150}" python3 tests/host_probe.py 2>&1 | grep -v "named symbol not found" | tee "$OUT/host_probe.log"
+  timeout "${PROBE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py 2>&1 \
+    | grep -v "named symbol not found" | tee "$OUT/gemm_probe.log" | tail -40
 fi
 
 if has gemm; then
