@@ -153,10 +153,34 @@ def jit(fn: Optional[Callable] = None, **jit_kwargs):
     return TileKernel(fn, **jit_kwargs)
 
 
+def _direct_launcher(kernel):
+    """The C launch function behind a compiled kernel's `run`, with the arguments Triton's Python
+    wrapper puts before the kernel's own, when that wrapper adds nothing else (no global or profile
+    scratch memory; Triton 3.5/3.6's CudaLauncher, recognised by its source). None otherwise: the
+    caller goes through `kernel.run`."""
+    import inspect
+
+    launcher = kernel.run
+    try:
+        source = inspect.getsource(type(launcher).__call__)
+    except (OSError, TypeError):
+        return None
+    expected = "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,"
+    flat = " ".join(source.split())
+    if expected not in flat or "global_scratch, profile_scratch, *args)" not in flat:
+        return None
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata, None, None,
+              None)
+    return launcher.launch, prefix
+
+
 class CachedLaunch:
     """Launch one TileKernel the way a hot path needs: on GPUs, through the compiled kernel itself,
     skipping Triton's per-call argument binding, cache lookup and pointer queries (tens of µs for a
-    kernel with twenty parameters); on CPU ranks, the ordinary interpreted launch.
+    kernel with twenty parameters), and, where Triton's launcher wrapper adds nothing (no scratch
+    memory), straight into its C launch function; on CPU ranks, the ordinary interpreted launch.
 
     `launch(grid, key, *args, **constexprs)`: `key` names the constexpr configuration (the caller's
     own, cheap to build: the same key must always come with the same constexprs). What Triton
@@ -180,23 +204,28 @@ class CachedLaunch:
             self.fn[grid](*args, **constexprs)
             return
         values, spec = [], 0
-        for i, a in enumerate(args):
+        for a, plain in zip(args, self.plain_ints):
             if isinstance(a, torch.Tensor):
                 a = a.data_ptr()  # an int pointer: the launcher skips its pointer query
-                bits = a & 15 == 0
+                spec = spec << 3 | (a & 15 == 0)
             elif isinstance(a, int):
-                bits = (-2147483648 <= a < 2147483648) | (self.plain_ints[i] and ((a == 1) << 1 | (a % 16 == 0) << 2))
+                spec = spec << 3 | (-2147483648 <= a < 2147483648) | (plain and ((a == 1) << 1 | (a % 16 == 0) << 2))
             else:
-                bits = 0
+                spec <<= 3
             values.append(a)
-            spec = spec << 3 | bits
         entry = self.kernels.get((key, spec))
         if entry is None:
             kernel = self.fn[grid](*args, **constexprs)
-            self.kernels[(key, spec)] = (kernel, [constexprs[n] for n in self.names[len(args):]])
+            consts = [constexprs[n] for n in self.names[len(args):]]
+            direct = _direct_launcher(kernel)
+            if direct is None:
+                prefix = (kernel.packed_metadata, None, None, None)
+                self.kernels[(key, spec)] = (kernel.run, kernel.function, prefix, consts)
+            else:
+                self.kernels[(key, spec)] = (direct[0], kernel.function, direct[1], consts)
             return
-        kernel, const_values = entry
+        run, function, prefix, consts = entry
         runtime.check_errors()
-        stream = torch._C._cuda_getCurrentRawStream(first.device.index)
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, None, None, None, *values, *const_values)
+        stream = torch._C._cuda_getCurrentRawStream(first.get_device())
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *prefix, *values, *consts)

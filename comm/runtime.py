@@ -142,9 +142,11 @@ def _finalize_at_exit() -> None:
 
 
 def check_errors() -> None:
-    """Raise the first device-side error recorded since the last check (GPU waits that timed out)."""
-    if _CTX is not None and hasattr(_CTX.device_state, "raise_if_error"):
-        _CTX.device_state.raise_if_error()
+    """Raise the first device-side error recorded since the last check (GPU waits that timed out).
+    Every launch calls it: one read of the error record's first word when there is nothing to raise."""
+    ctx = _CTX
+    if ctx is not None and ctx.device_state.has_error():
+        ctx.device_state.raise_if_error()
 
 
 def set_timeout(seconds: float) -> None:

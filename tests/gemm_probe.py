@@ -30,7 +30,7 @@ def wall(label, fn, n=5):
 
 a = torch.randn(1000, 1000, device="cuda", dtype=torch.bfloat16); b = torch.randn(1000, 1000, device="cuda", dtype=torch.bfloat16)
 prof("matmul1000 pre-init", lambda: matmul(a, b)); wall("matmul1000 pre-init", lambda: matmul(a, b))
-tilecomm.init(backend="cuda")
+tilecomm.init(backend="cuda", heap_bytes=3 << 30)
 print("heap", tilecomm.current().heap.bytes_free() if hasattr(tilecomm.current().heap, "bytes_free") else "?", torch.cuda.mem_get_info(), flush=True)
 prof("matmul1000 post-init", lambda: matmul(a, b))
 for M, K, N in [(8192, 4096, 3584), (8192, 8192, 7168)]:

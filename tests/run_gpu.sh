@@ -22,18 +22,18 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 has() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
 
 if has self; then
-  timeout "${SELF_TIMEOUT:-300}" python3 -m tilecomm.bench self --json "$OUT/self.json" 2>&1 | grep -v "named symbol not found" | tee "$OUT/self.log"
+  timeout "${SELF_TIMEOUT:-300}" python3 -m tilecomm.bench self --json "$OUT/self.json" 2>&1 | sed -u "s/.*named symbol not found//" | tee "$OUT/self.log"
 fi
 
 if has probe; then  # diagnostics, not benchmarks: host time per stage, the slow GEMM shapes' kernels
-  timeout "${PROBE_TIMEOUT:-150}" python3 tests/host_probe.py 2>&1 | grep -v "named symbol not found" | tee "$OUT/host_probe.log"
+  timeout "${PROBE_TIMEOUT:-150}" python3 tests/host_probe.py 2>&1 | sed -u "s/.*named symbol not found//" | tee "$OUT/host_probe.log"
   timeout "${PROBE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py 2>&1 \
-    | grep -v "named symbol not found" | tee "$OUT/gemm_probe.log" | tail -40
+    | sed -u "s/.*named symbol not found//" | tee "$OUT/gemm_probe.log" | tail -40
 fi
 
 if has gemm; then
   timeout "${GEMM_TIMEOUT:-420}" torchrun --standalone --nproc-per-node 1 -m tilecomm.bench.gemm ${GEMM_ARGS:---sweep} \
-    --json "$OUT/gemm.json" 2>&1 | grep -v "named symbol not found" | tee "$OUT/gemm.log" | grep -vE "^  sweep"
+    --json "$OUT/gemm.json" 2>&1 | sed -u "s/.*named symbol not found//" | tee "$OUT/gemm.log" | grep -vE "^  sweep"
 fi
 
 if has tests; then

@@ -54,17 +54,18 @@ def _check_group(what: str, group, world: int) -> None:
 
 
 # The checks below run on every call: messages are formatted only when a check fails.
-def _check_tensor(what: str, name: str, t, device: torch.device) -> None:
+def _check_tensor(what: str, name: str, t, on_gpu: bool) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_cuda != (device.type == "cuda"):
-        raise ValueError(f"{what}: {name} is on {t.device}, the runtime's tensors are on {device}")
+    if t.is_cuda != on_gpu:
+        raise ValueError(f"{what}: {name} is on {t.device}, the runtime's tensors are on {runtime.current().device}")
     if not t.is_contiguous():
         raise ValueError(f"{what}: {name} must be contiguous (got strides {tuple(t.stride())})")
     if t.dtype not in _MOVABLE:
         raise TypeError(f"{what}: {name} has dtype {t.dtype}; expected one of {sorted(str(d) for d in _MOVABLE)}")
 
 
+_COMPLEX = (torch.complex64, torch.complex128)
 _MOVABLE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
             torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
             torch.complex128}
@@ -73,9 +74,11 @@ _MOVABLE = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.i
 def _check_call(what: str, group, out_name: str, out, in_name: str, inp):
     """The checks every collective shares; returns the runtime context."""
     ctx = runtime.current()
-    _check_group(what, group, ctx.world_size)
-    _check_tensor(what, out_name, out, ctx.device)
-    _check_tensor(what, in_name, inp, ctx.device)
+    if group is not None:
+        _check_group(what, group, ctx.world_size)
+    on_gpu = ctx.backend == "cuda"
+    _check_tensor(what, out_name, out, on_gpu)
+    _check_tensor(what, in_name, inp, on_gpu)
     if out.dtype != inp.dtype:
         raise TypeError(f"{what}: {out_name} dtype {out.dtype} != {in_name} dtype {inp.dtype}")
     return ctx
@@ -107,7 +110,7 @@ def _offsets(counts: List[int]) -> List[int]:
 def _words(t: torch.Tensor):
     """t (contiguous), and how many moved elements make one of t's: complex numbers move as int64 words
     (complex128 as two), which Triton can type."""
-    if t.is_complex():
+    if t.dtype in _COMPLEX:
         return t.reshape(-1).view(torch.int64), t.element_size() // 8
     return t, 1
 
@@ -116,8 +119,9 @@ def _a2a(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_sp
     ctx = runtime.current()
     src, scale = _words(input)
     out, _ = _words(output)
-    row = (math.prod(input.shape[1:]) if input.dim() > 1 else 1) * scale
-    if len(set(in_splits)) == 1 and len(set(out_splits)) == 1 and in_splits[0] == out_splits[0]:
+    rows = input.shape[0]
+    row = (src.numel() // rows if rows else math.prod(input.shape[1:]) * scale)
+    if in_splits == out_splits and in_splits.count(in_splits[0]) == len(in_splits):
         ctx.collectives.exchange(src, out, None, None, in_splits[0] * row, gather=False)
         return
     send = [(o * row, c * row) for o, c in zip(_offsets(in_splits), in_splits)]

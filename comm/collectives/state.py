@@ -76,6 +76,14 @@ class CollectiveState:
     _graph_tables: List[torch.Tensor] = field(default_factory=list)  # tables of captured calls, kept for replays
     _next_table: "itertools.count" = field(default_factory=itertools.count)
     _last_table: int = 0
+    # fixed per runtime, read on every call: the heap's base address and size, the heap as bytes, the
+    # error record, the all_to_all / all_gather grid, whether this is a CPU rank
+    _heap_base: int = 0
+    _heap_bytes: int = 0
+    _heap_u8: Optional[torch.Tensor] = None
+    _error: Optional[torch.Tensor] = None
+    _pairs_grid: Tuple[int] = (1,)
+    _on_cpu: bool = True
 
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
@@ -111,7 +119,9 @@ class CollectiveState:
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
                    _ring_offset=heap.offset_of(ring), _table_views=[tables[i] for i in range(TABLE_SLOTS)],
-                   _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy())
+                   _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(), _heap_base=heap.local.data_ptr(),
+                   _heap_bytes=heap.local.numel() * heap.local.element_size(), _heap_u8=heap.local.view(torch.uint8),
+                   _error=ctx.device_state.error, _pairs_grid=(W * P,), _on_cpu=not on_gpu)
 
     def free(self) -> None:
         """Return the heap space (finalize does it; the state is unusable afterwards)."""
@@ -119,7 +129,7 @@ class CollectiveState:
         for t in (self.ring, self.words):
             if heap.local is not None:
                 heap.release(heap.offset_of(t))
-        self.ring = self.words = None
+        self.ring = self.words = self._heap_u8 = self._error = None
         self._heap_views = {}
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -148,20 +158,34 @@ class CollectiveState:
 
     def _placement(self, src: torch.Tensor, offsets_aligned: bool):
         """(in_heap_off in elements, IN_PLACE): read src in place when it lies on the heap and every
-        piece a reader takes starts on a 16-byte boundary; else stage it through the ring."""
-        heap_off = self.ctx.heap.offset_of(src) if offsets_aligned and src.numel() else None
-        if heap_off is None or heap_off % 16:
+        piece a reader takes starts on a 16-byte boundary; else stage it through the ring. (src is
+        contiguous and on the runtime's device: a pointer range check says whether it is on the heap.)"""
+        if not offsets_aligned:
             return 0, False
-        return heap_off // src.element_size(), True
+        off = src.data_ptr() - self._heap_base
+        if off < 0 or off % 16 or off + src.numel() * src.element_size() > self._heap_bytes or not src.numel():
+            return 0, False
+        return off // src.element_size(), True
 
-    def _launch_config(self, elem: int, aligned: bool) -> dict:
-        """The constexprs of a launch (one dict per element size and alignment, made once)."""
-        config = self._configs.get((elem, aligned))
+    def _launch_config(self, key: tuple) -> dict:
+        """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the
+        kernel's flags: EVEN, GATHER, IN_PLACE for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
+        config = self._configs.get(key)
         if config is None:
+            kernel, elem, aligned = key[:3]
             chunk = self.chunk_bytes // elem
             block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
-            config = self._configs[(elem, aligned)] = dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block,
-                                                           VEC=16 // elem if aligned else 1, num_warps=self.num_warps)
+            config = dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block, VEC=16 // elem if aligned else 1,
+                          num_warps=self.num_warps)
+            if kernel == "pairs":
+                even, gather, in_place = key[3:]
+                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, MOVE=_BITS[elem],
+                              TAG=kx.op_tag(2 if gather else 1, elem))
+            else:
+                op, average, in_place, acc = key[3:]
+                config.update(OP=op, ACC=acc, AVG=average, IN_PLACE=in_place, MAX_W=self._max_w,
+                              TAG=kx.op_tag(3, elem))
+            self._configs[key] = config
         return config
 
     # -- the collectives ----------------------------------------------------------------------------
@@ -171,24 +195,24 @@ class CollectiveState:
         recv[p] = (element offset, count) to / from p; None with n_even elements per pair (offset
         p * n_even, or 0 for gather)."""
         elem = src.element_size()
-        if send is None:  # offsets are multiples of n_even
+        even = send is None
+        if even:  # offsets are multiples of n_even
             send_ok = recv_ok = n_even * elem % 16 == 0
         else:
             send_ok = all(o * elem % 16 == 0 for o, _ in send)
             recv_ok = all(o * elem % 16 == 0 for o, _ in recv)
         in_heap_off, in_place = self._placement(src, send_ok)
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
-        table = self.words if send is None else self._table(send, recv)
-        even = send is None
+        table = self.words if even else self._table(send, recv)
+        key = ("pairs", elem, aligned, even, gather, in_place)
         self._pairs.launch(
-            (self.ctx.world_size * self.programs_per_peer,), (src.dtype, out.dtype, even, gather, in_place, aligned),
-            src, out, self._heap_views[torch.uint8], self.words, table, self.ctx.device_state.error,
-            self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, EVEN=even, GATHER=gather,
-            IN_PLACE=in_place, MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem),
-            **self._launch_config(elem, aligned))
-        if send is not None:
+            self._pairs_grid, (src.dtype, out.dtype) + key,
+            src, out, self._heap_u8, self.words, table, self._error,
+            self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, **self._launch_config(key))
+        if not even:
             self._after_launch()
-        self._raise_mismatch_now()
+        if self._on_cpu:
+            self._raise_mismatch_now()
 
     def reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, op: int, average: bool) -> None:
         """out[j] = op over ranks of their src[rank * n + j] (contiguous tensors, n = out.numel())."""
@@ -196,13 +220,13 @@ class CollectiveState:
         elem = src.element_size()
         in_heap_off, in_place = self._placement(src, n * elem % 16 == 0)
         aligned = n * elem % 16 == 0 and (out.data_ptr() | src.data_ptr()) & 15 == 0
+        key = ("reduce", elem, aligned, op, average, in_place, _accumulator(src.dtype))
         self._reduce.launch(
-            (self.programs_per_peer,), (src.dtype, op, average, in_place, aligned),
-            src, out, self._heap_views[src.dtype], self.words, self.ctx.device_state.error,
-            self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, OP=op, ACC=_accumulator(src.dtype),
-            AVG=average, IN_PLACE=in_place, MAX_W=self._max_w, TAG=kx.op_tag(3, elem),
-            **self._launch_config(elem, aligned))
-        self._raise_mismatch_now()
+            (self.programs_per_peer,), (src.dtype,) + key,
+            src, out, self._heap_views[src.dtype], self.words, self._error,
+            self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, **self._launch_config(key))
+        if self._on_cpu:
+            self._raise_mismatch_now()
 
     def _raise_mismatch_now(self) -> None:
         """CPU ranks ran the kernel already: raise what it recorded at once (GPUs: at the next call)."""
