@@ -78,8 +78,9 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
 def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, C_TMA: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; BLOCK_M tiles K, BLOCK_K steps over rows."""
+                  PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; BLOCK_M tiles K, BLOCK_K steps over rows; ACC: the
+    accumulator type (fp32; fp64 for fp64 operands)."""
     x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_K, BLOCK_M)
     dy_desc = desc3(dy_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_dym, stride_dym, BLOCK_K, BLOCK_N)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
@@ -90,7 +91,7 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
         pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(offs_ptr + e)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
         full = (end - start) // BLOCK_K
         for i in tl.range(0, full):
             a = x_desc.load([0, start + i * BLOCK_K, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
@@ -177,7 +178,8 @@ def _wgrad(x, dy, offs, E: int, config) -> torch.Tensor:
     prepare_tma()
     _wgrad_kernel[(num_programs(tiles, x.device),)](
         x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0), dy_t.stride(0), dw.stride(0), dw.stride(1),
-        C_TMA=dw.stride(1) * dw.element_size() % 16 == 0, PRECISION=dot_precision(x.dtype), **cfg.launch())
+        C_TMA=dw.stride(1) * dw.element_size() % 16 == 0, PRECISION=dot_precision(x.dtype),
+        ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **cfg.launch())
     return dw
 
 

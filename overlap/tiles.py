@@ -155,8 +155,9 @@ def tma_operand(t: torch.Tensor, allow_trans: bool = False) -> tuple[torch.Tenso
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 operands multiply in IEEE fp32 (as torch.matmul does by default), 16-bit ones on tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 (and fp64) operands multiply in IEEE arithmetic (as torch.matmul does by default), 16-bit ones on
+    tensor cores."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def _proxy_fence_cpu(x):
@@ -214,7 +215,15 @@ def b_desc3(b_ptr, E, K, N, stride_be, stride_b, BLOCK_K: tl.constexpr, BLOCK_N:
 def tile_product(a_desc, a_g, off_m, b_desc, b_g, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, PRECISION: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = A[a_g, off_m:+BLOCK_M, :] @ B_(b_g)[:, off_n:+BLOCK_N] (zero past the edges)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    return tile_product_acc(a_desc, a_g, off_m, b_desc, b_g, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, PRECISION,
+                            tl.float32)
+
+
+@tilecomm.jit
+def tile_product_acc(a_desc, a_g, off_m, b_desc, b_g, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """`tile_product` accumulating in ACC (tl.float32, or tl.float64 for fp64 operands)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([a_g, off_m, k * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
         if B_TRANS:

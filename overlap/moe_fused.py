@@ -1,0 +1,393 @@
+"""fused_moe: the SwiGLU experts of an expert-parallel MoE layer with dispatch fused into the first grouped
+GEMM and combine into the second (COMET style), forward and backward, differentiable.
+
+    ws = FusedMoEWorkspace(num_experts=64, hidden=1536, ffn_hidden=768, max_tokens_per_rank=16384, topk=6,
+                           dtype=torch.bfloat16)              # collective; owns every symmetric buffer
+    out = fused_moe(x, topk_idx, topk_weights, w_gate_up, w_down, ws)
+    # x [T, H]; topk_idx [T, K] int (-1 = none); topk_weights [T, K] float; w_gate_up [E_l, H, 2F] ([gate | up]);
+    # w_down [E_l, F, H] (this rank's experts: rank r owns r*E_l ... (r+1)*E_l - 1) -> out [T, H]
+    # out[t] = sum_k topk_weights[t, k] * (silu(x_t @ Wg_e) * (x_t @ Wu_e)) @ Wd_e,  e = topk_idx[t, k]
+
+It computes what Dispatcher.dispatch -> grouped SwiGLU experts -> Dispatcher.combine computes (the same rows
+in the same order, the same roundings where the unfused path rounds), in six launches and one host sync
+(the route's received row count R, as the Dispatcher's):
+
+    route    the Dispatcher's route kernel (dispatch/normal.py): plan of rows per (local expert, source)
+    send     moe_comm.py: each token row once per destination rank, then per pair a word that says
+             "row (local expert, source, slot) is here" (per-row signals)
+    gate_up  moe_gemm.py: waits per row tile for its rows, gathers them from the staging buffer by index,
+             h = x @ w_gate_up with the SwiGLU epilogue
+    release  consumed signal: the staging buffer may be overwritten
+    down     moe_gemm.py: y = act @ w_down, scaled by the routing weight in the epilogue and stored straight
+             into the source rank's back buffer at (token, k), flag per row
+    reduce   moe_comm.py: on the source, out[t] = sum_k back[t, k] (fp32) once its pairs' flags are set
+
+Backward, the same way: send of grad_out (combine's gradient is a dispatch) -> `_down_grad_kernel` (gathered
+rows @ w_down^T, SwiGLU backward, routing-weight gradients <g, y> per row) -> release -> weight gradients as
+grouped GEMMs (grouped.py `_wgrad`: w_down from act and w * g, w_gate_up from the gathered x and dh) ->
+`_scatter_kernel` of dh @ w_gate_up^T into the sources (dispatch's gradient is a combine) -> reduce (grad_x
+and the routing-weight gradients).
+
+Streams: on GPUs the send kernels run on the workspace's stream (launched first, as ag_gemm's push) while
+the gate_up / down-gradient GEMM waits per row tile on the current stream; the rest runs on the current
+stream. On CPU ranks every launch runs to completion before the next: each wait is on a peer or on an
+earlier launch. `fused_moe_reference` is the unfused path (any Dispatcher + a torch loop over experts).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+import tilecomm
+from tilecomm.dispatch.buffers import Spec, SymmetricState
+from tilecomm.dispatch.dispatcher import Dispatcher
+from tilecomm.dispatch.normal import _BIG, _route_kernel
+from tilecomm.errors import PeerMismatchError
+
+from .grouped import _wgrad
+from .moe_comm import _reduce_kernel, _send_kernel
+from .moe_gemm import _down_grad_kernel, _gate_up_kernel, _scatter_kernel
+from .team import _release_kernel, team_of
+from .tiles import dot_precision, num_programs, prepare_tma, tma_operand
+
+_P2 = triton.next_power_of_2
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Tiles of the GEMMs (block_m rows per item, block_n output / block_k reduction columns per step),
+    tokens per send / reduce program, columns per row-copy step, warps and pipeline stages."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    tokens_per_program: int = 16
+    block_h: int = 256
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @staticmethod
+    def for_device(device: torch.device, hidden: int) -> "FusedMoEConfig":
+        if device.type == "cuda":
+            return FusedMoEConfig()
+        # the interpreter: few, large programs and small tiles
+        return FusedMoEConfig(16, 32, 32, 64, min(256, _P2(hidden)), 1, 1)
+
+
+def fused_moe_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:
+    """Symmetric buffers (S = M * K slots per (local expert, source)): stage [W, M, H] token rows from each
+    source; words / pair_w [E_l, W, S] (seq << 32 | pair index, routing weight of each arrived row); back
+    [M * K, H] expert rows of this rank's pairs, back_w [M * K] float32 per-pair values, flags [M * K];
+    notify [2, W, E_l + 1] / notify_sig [2, W] (the route kernel's, double-buffered by call parity);
+    consumed [2, W] (the staging and the back channel)."""
+    e_local, S = E // W, M * K
+    return {"stage": ((W, M, H), dtype), "words": ((e_local, W, S), torch.int64),
+            "pair_w": ((e_local, W, S), torch.float32), "back": ((S, H), dtype), "back_w": ((S,), torch.float32),
+            "flags": ((S,), torch.int64), "notify": ((2, W, e_local + 1), torch.int64),
+            "notify_sig": ((2, W), torch.int64), "consumed": ((2, W), torch.int64)}
+
+
+@dataclass
+class FusedMoESaved:
+    """What the forward leaves for the backward (this rank). topk_idx [T, K]; slots [T, K] int32 (each pair's
+    slot at its expert); plan (route kernel layout); offs [E_l] int32 cumulative rows per expert; per row
+    [R]: pair index t * K + k and source rank (int32), routing weight (float32); x_rows [R, H] the gathered
+    rows, h [R, 2F], act [R, F]."""
+
+    num_tokens: int
+    topk_idx: torch.Tensor
+    slots: torch.Tensor
+    plan: torch.Tensor
+    offs: torch.Tensor
+    row_pair: torch.Tensor
+    row_src: torch.Tensor
+    row_w: torch.Tensor
+    x_rows: Optional[torch.Tensor]
+    h: torch.Tensor
+    act: torch.Tensor
+
+
+class FusedMoEWorkspace:
+    """Symmetric buffers and launch state of fused_moe over the world (expert parallelism over every rank).
+
+    Collective: construct on every rank in the same order with the same arguments (PeerMismatchError names
+    both ranks otherwise). Has the Dispatcher's descriptive attributes (num_experts, hidden, topk, rank,
+    world_size, num_local_experts, device, dtype, max_tokens), so a MoELayer can hold it as its dispatcher;
+    the MoE layers of a model share one (they run one after another). `free()` returns the buffers
+    (collective); later calls raise."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, max_tokens_per_rank: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, config: Optional[FusedMoEConfig] = None):
+        ctx = tilecomm.current()
+        args = dict(num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden,
+                    max_tokens_per_rank=max_tokens_per_rank, topk=topk)
+        for name, value in args.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"FusedMoEWorkspace: {name}={value!r}; expected a positive int")
+        if num_experts % ctx.world_size or topk > num_experts:
+            raise ValueError(f"FusedMoEWorkspace: num_experts={num_experts} must divide by the world size "
+                             f"({ctx.world_size}) and be >= topk={topk}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"FusedMoEWorkspace: dtype={dtype!r}; expected a floating-point torch.dtype")
+        self._agree(ctx, tuple(args.values()) + (str(dtype),))
+        W, dev = ctx.world_size, ctx.device
+        self.rank, self.world_size, self.device, self.dtype = ctx.rank, W, dev, dtype
+        self.num_experts, self.hidden, self.ffn_hidden, self.max_tokens, self.topk = num_experts, hidden, ffn_hidden, \
+            max_tokens_per_rank, topk
+        self.num_local_experts = num_experts // W
+        self.cfg = config or FusedMoEConfig.for_device(dev, hidden)
+        self.state = SymmetricState("FusedMoEWorkspace", fused_moe_specs(W, num_experts, max_tokens_per_rank, topk,
+                                                                         hidden, dtype),
+                                    zeroed=("words", "flags", "notify_sig", "consumed"))
+        self.team = team_of(None, "FusedMoEWorkspace")
+        # route / send: tokens per program as the Dispatcher's (its per-block expert counts give the slots)
+        self.bt = max(1, min(16 if dev.type == "cuda" else 64, (128 if dev.type == "cuda" else 256) // _P2(topk)))
+        self._counts = torch.zeros((triton.cdiv(max_tokens_per_rank, self.bt), num_experts), dtype=torch.int32,
+                                   device=dev)
+        self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+        self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
+        self._launches = torch.zeros(2, dtype=torch.int32, device=dev)  # last-program counters: route, reduce
+        self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
+        self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._event = torch.cuda.Event() if dev.type == "cuda" else None
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._dummies: dict = {}
+        self.seq = [0, 0, 0]  # route, staging channel, back channel: the same on every rank
+
+    @staticmethod
+    def _agree(ctx, args: tuple) -> None:
+        if ctx.world_size == 1:
+            return
+        for r, theirs in enumerate(ctx.boot.all_gather_object(args)):
+            if theirs != args:
+                raise PeerMismatchError(f"FusedMoEWorkspace: rank {ctx.rank} has {args}, rank {r} has {theirs}; "
+                                        "every rank must construct it with the same arguments")
+
+    def free(self) -> None:
+        """Collective: return the symmetric buffers (waits for this rank's kernels)."""
+        self.state.free()
+
+    def _ptr(self, t: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """t, or a small tensor of dtype where t is None or empty (kernels get a valid pointer either way)."""
+        if t is not None and t.numel():
+            return t
+        if dtype not in self._dummies:
+            self._dummies[dtype] = torch.zeros(16, dtype=dtype, device=self.device)
+        return self._dummies[dtype]
+
+    def _acc(self):
+        return tl.float64 if self.dtype == torch.float64 else tl.float32
+
+    # -- launches ------------------------------------------------------------------------------------
+    def _route(self, topk: torch.Tensor) -> torch.Tensor:
+        """The Dispatcher's route kernel on this workspace's notify buffers; starts the host copy of (R, N, lo, hi)."""
+        W, E, E_L, K = self.world_size, self.num_experts, self.num_local_experts, self.topk
+        self.seq[0] += 1
+        parity = self.seq[0] % 2
+        plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=self.device)
+        _route_kernel[(max(1, triton.cdiv(topk.shape[0], self.bt)),)](
+            self._ptr(topk, topk.dtype), self._counts, self._totals, self._minmax, self._launches[0:1],
+            self.state.notify[parity], self.state.notify_sig[parity], plan, self._info, topk.shape[0], self.seq[0], E,
+            E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16, BLOCK_W=_P2(W),
+            BLOCK_EL=_P2(E_L), num_warps=4)
+        if self._event is not None:
+            self._info_host.copy_(self._info, non_blocking=True)
+            self._event.record()
+        return plan
+
+    def _received(self):
+        """(R, min id, max id) of the last route: the one host sync."""
+        if self._event is not None:
+            self._event.synchronize()
+        R, _, lo, hi = (self._info_host if self._event is not None else self._info).tolist()
+        return R, lo, hi
+
+    @contextlib.contextmanager
+    def _send_stream(self, tensors):
+        """GPUs: run the body on the workspace's stream (after the current stream's work so far)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        for t in tensors:
+            t.record_stream(self.stream)
+
+    def _join_send_stream(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _send(self, x, topk, weights, slots) -> None:
+        """Rows of x [T, H] to the expert ranks; weights [T, K] float32 (forward: slots are computed into
+        `slots`) or None (backward: slots are read)."""
+        self.seq[1] += 1
+        st, T, cfg = self.state, x.shape[0], self.cfg
+        with self._send_stream([t for t in (x, topk, weights, slots) if t is not None]):
+            _send_kernel[(max(1, triton.cdiv(T, self.bt)),)](
+                self._ptr(x, x.dtype), self._ptr(topk, topk.dtype), self._ptr(weights, torch.float32), self._counts,
+                self._ptr(slots, torch.int32), st.stage, st.pair_w, st.words, st.consumed[0], T, self.seq[1],
+                self.num_experts, self.num_local_experts, self.world_size, self.max_tokens, self.hidden,
+                self.max_tokens * self.topk, K=self.topk, BT=self.bt, BLOCK_P=_P2(self.bt * self.topk),
+                BLOCK_T=_P2(self.bt), BLOCK_K=_P2(self.topk), BLOCK_B=16, BLOCK_W=_P2(self.world_size),
+                BLOCK_H=cfg.block_h, ALIGN=16 // x.element_size(), WITH_META=weights is not None, num_warps=4)
+
+    def _release_stage(self) -> None:
+        """SET consumed[0][me] = seq everywhere: this rank has read the staged rows of the call."""
+        self._join_send_stream()
+        team = self.team
+        _release_kernel[(1,)](self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
+
+    def _gemm_args(self, tiles: int):
+        cfg = self.cfg
+        return (num_programs(tiles, self.device),), dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_PAD=_P2(self.num_local_experts + 1),
+            ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def _tiles(self, R: int) -> int:
+        return triton.cdiv(R, self.cfg.block_m) + self.num_local_experts
+
+    def _scatter_back(self, a, w, offs, row_pair, row_src, R, coef, vals, b_trans: bool) -> None:
+        """Rows a[R, KA] @ w[e] (w[e]^T with b_trans) into their sources' back rows (+ per-row vals)."""
+        self.seq[2] += 1
+        st = self.state
+        a_t, _ = tma_operand(a)
+        w_t, _ = tma_operand(w)
+        grid, kw = self._gemm_args(self._tiles(R))
+        _scatter_kernel[grid](
+            a_t, w_t, offs, self._ptr(row_pair, torch.int32), self._ptr(row_src, torch.int32),
+            self._ptr(coef, torch.float32), self._ptr(vals, torch.float32), st.back, st.back_w, st.flags,
+            st.consumed[1], self.seq[2], R, a.shape[1], self.hidden, self.num_local_experts, self.world_size,
+            a_t.stride(0), w_t.stride(0), w_t.stride(1), B_TRANS=b_trans, HAS_COEF=coef is not None,
+            HAS_VALS=vals is not None, ALIGN=16 // a.element_size(), **kw)
+
+    def _reduce(self, topk, T: int, with_values: bool):
+        """out [T, H] = sum_k back[t, k] (and the per-pair values [T, K] float32)."""
+        st, K = self.state, self.topk
+        out = torch.empty((T, self.hidden), dtype=self.dtype, device=self.device)
+        values = torch.empty((T, K), dtype=torch.float32, device=self.device) if with_values else None
+        _reduce_kernel[(max(1, triton.cdiv(T, self.bt)),)](
+            st.back, st.back_w, st.flags, self._ptr(topk, topk.dtype), self._ptr(out, self.dtype),
+            self._ptr(values, torch.float32), st.consumed[1], self._launches[1:2], T, self.seq[2], self.num_experts,
+            self.world_size, self.hidden, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
+            BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_VALUES=with_values, ACC=self._acc(), num_warps=4)
+        return out, values
+
+    # -- forward / backward --------------------------------------------------------------------------
+    def forward(self, x, topk_idx, topk_weights, w_gate_up, w_down, save: bool):
+        """-> (out [T, H], FusedMoESaved). Inputs checked by fused_moe."""
+        self.state.check_live()
+        prepare_tma()
+        T, K, H, F, dev, st = x.shape[0], self.topk, self.hidden, w_down.shape[1], self.device, self.state
+        topk = topk_idx.contiguous()
+        plan = self._route(topk)
+        slots = torch.empty((T, K), dtype=torch.int32, device=dev)
+        self._send(x, topk, topk_weights.float().contiguous(), slots)
+        R, lo, hi = self._received()
+        offs = plan[-self.num_local_experts:].cumsum(0).to(torch.int32)
+        rows = max(R, 1)  # kernels and descriptors get at least one row
+        h = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
+        act = torch.empty((rows, F), dtype=self.dtype, device=dev)
+        x_rows = torch.empty((rows, H), dtype=self.dtype, device=dev) if save else None
+        row_pair, row_src = (torch.empty(rows, dtype=torch.int32, device=dev) for _ in range(2))
+        row_w = torch.empty(rows, dtype=torch.float32, device=dev)
+        w_gu, _ = tma_operand(w_gate_up)
+        grid, kw = self._gemm_args(self._tiles(R))
+        _gate_up_kernel[grid](
+            st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, self._ptr(x_rows, self.dtype), row_pair, row_src,
+            row_w, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
+            self.max_tokens * K, K, w_gu.stride(0), w_gu.stride(1), BLOCK_W=_P2(self.world_size), SAVE_X=save, **kw)
+        self._release_stage()
+        self._scatter_back(act, w_down, offs, row_pair, row_src, R, row_w, None, b_trans=False)
+        out, _ = self._reduce(topk, T, with_values=False)
+        if lo < -1 or hi >= self.num_experts:  # every kernel of the call ran: peers are not left waiting
+            raise ValueError(f"fused_moe: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
+        saved = FusedMoESaved(T, topk, slots, plan, offs, row_pair[:R], row_src[:R], row_w[:R],
+                              None if x_rows is None else x_rows[:R], h[:R], act[:R])
+        return out, saved
+
+    def backward(self, s: FusedMoESaved, grad_out: torch.Tensor, w_gate_up, w_down, need_gate_up: bool = True,
+                 need_down: bool = True):
+        """-> (grad_x [T, H], grad_topk_weights [T, K] float32, grad_w_gate_up, grad_w_down (None where not needed)).
+        Every rank runs every collective launch whatever it needs."""
+        self.state.check_live()
+        prepare_tma()
+        R, H, F, dev, st = s.h.shape[0], self.hidden, w_down.shape[1], self.device, self.state
+        grad_out = grad_out.to(self.dtype).contiguous()
+        self._send(grad_out, s.topk_idx, None, s.slots)
+        rows = max(R, 1)
+        dh = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
+        g_rows = torch.empty((rows, H), dtype=self.dtype, device=dev)
+        row_gw = torch.empty(rows, dtype=torch.float32, device=dev)
+        w_dn, _ = tma_operand(w_down)
+        grid, kw = self._gemm_args(self._tiles(R))
+        _down_grad_kernel[grid](
+            st.stage, st.words, w_dn, s.plan, s.offs, self._ptr(s.row_w, torch.float32), self._ptr(s.h, self.dtype),
+            dh, g_rows, row_gw, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
+            self.max_tokens * self.topk, self.topk, w_dn.stride(0), w_dn.stride(1), BLOCK_W=_P2(self.world_size), **kw)
+        self._release_stage()
+        E_L = self.num_local_experts
+        grad_w_down = _wgrad(s.act, g_rows[:R], s.offs, E_L, None) if need_down else None
+        grad_w_gate_up = _wgrad(s.x_rows, dh[:R], s.offs, E_L, None) if need_gate_up else None
+        self._scatter_back(dh, w_gate_up, s.offs, s.row_pair, s.row_src, R, None, row_gw, b_trans=True)
+        grad_x, grad_w = self._reduce(s.topk_idx, s.num_tokens, with_values=True)
+        return grad_x, grad_w, grad_w_gate_up, grad_w_down
+
+
+class _FusedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, w_gate_up, w_down, ws, topk_idx):
+        out, saved = ws.forward(x, topk_idx, topk_weights, w_gate_up, w_down, save=ctx.needs_input_grad[2])
+        ctx.ws, ctx.saved, ctx.weights_dtype = ws, saved, topk_weights.dtype
+        ctx.save_for_backward(w_gate_up, w_down)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        w_gate_up, w_down = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x, grad_w, grad_gu, grad_down = ctx.ws.backward(ctx.saved, grad_out, w_gate_up, w_down, need[2], need[3])
+        return grad_x if need[0] else None, grad_w.to(ctx.weights_dtype) if need[1] else None, grad_gu, grad_down, \
+            None, None
+
+
+def _check_weights(ws: FusedMoEWorkspace, x, w_gate_up, w_down) -> None:
+    E_L, H, F = ws.num_local_experts, ws.hidden, ws.ffn_hidden
+    for name, w, shape in (("w_gate_up", w_gate_up, (E_L, H, 2 * F)), ("w_down", w_down, (E_L, F, H))):
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
+            raise ValueError(f"fused_moe: {name} must be {list(shape)} (this rank's experts), got "
+                             f"{getattr(w, 'shape', type(w))}")
+        if w.dtype != x.dtype or w.device != x.device:
+            raise TypeError(f"fused_moe: {name} is {w.dtype} on {w.device}; x is {x.dtype} on {x.device}")
+
+
+def fused_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, workspace: FusedMoEWorkspace) -> torch.Tensor:
+    """See the module docstring: x [T, H] (the workspace's dtype), topk_idx [T, K] int32/int64 (-1 = none),
+    topk_weights [T, K] float, w_gate_up [E_l, H, 2F], w_down [E_l, F, H] -> out [T, H]. Differentiable in
+    x, topk_weights, w_gate_up and w_down. Collective: every rank calls it (and its backward) in the same order.
+    Arguments are checked before any kernel runs (expert ids on the device: ValueError at the end of the call)."""
+    if not isinstance(workspace, FusedMoEWorkspace):
+        raise TypeError(f"fused_moe: workspace must be a FusedMoEWorkspace, got {type(workspace).__name__}")
+    Dispatcher._check(workspace, x, topk_idx, topk_weights)  # the Dispatcher's checks, on the same attributes
+    _check_weights(workspace, x, w_gate_up, w_down)
+    return _FusedMoE.apply(x.contiguous(), topk_weights, w_gate_up, w_down, workspace, topk_idx)
+
+
+def fused_moe_reference(x, topk_idx, topk_weights, w_gate_up, w_down, dispatcher) -> torch.Tensor:
+    """The unfused path: dispatcher.dispatch -> per-expert torch SwiGLU -> dispatcher.combine (any Dispatcher;
+    backend "nccl" makes it plain torch). Differentiable."""
+    res = dispatcher.dispatch(x, topk_idx, topk_weights)
+    F = w_down.shape[1]
+    outs, start = [], 0
+    for e, n in enumerate(res.tokens_per_expert.tolist()):
+        h = res.x[start:start + n] @ w_gate_up[e]
+        outs.append((torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w_down[e])
+        start += n
+    y = torch.cat(outs) if outs else res.x.new_zeros((0, x.shape[1]))
+    return dispatcher.combine(y, res.handle)
