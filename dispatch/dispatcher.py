@@ -195,7 +195,7 @@ class Dispatcher:
             raise ValueError(f"dispatch: x must be [num_tokens, hidden={self.hidden}], got {getattr(x, 'shape', type(x))}")
         if x.dtype != self.dtype:
             raise TypeError(f"dispatch: x dtype {x.dtype}; this Dispatcher was made for {self.dtype}")
-        if self.device is not None and x.device.type != self.device.type:
+        if self.device is not None and x.is_cuda != (self.device.type == "cuda"):
             raise ValueError(f"dispatch: x is on {x.device}; the tilecomm runtime's tensors are on {self.device}")
         T = x.shape[0]
         if T > self.max_tokens:
@@ -208,8 +208,9 @@ class Dispatcher:
             raise ValueError(f"dispatch: topk_weights must be [num_tokens={T}, topk={self.topk}], got {getattr(topk_weights, 'shape', None)}")
         if not topk_weights.is_floating_point():
             raise TypeError(f"dispatch: topk_weights must be floating point, got {topk_weights.dtype}")
+        on = x.get_device()  # -1 on CPU: cheaper than comparing torch.device objects
         for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if t.device != x.device:
+            if t.get_device() != on:
                 raise ValueError(f"dispatch: {name} is on {t.device}, x on {x.device}")
         # expert ids are checked on the device (one host read at most): ValueError at the end of the call
 

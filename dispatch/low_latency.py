@@ -271,6 +271,14 @@ class LowLatencyEngine:
         # hot path: launch through the compiled kernels (no per-call Triton binding); keys below
         self._send, self._recv, self._back, self._reduce = (CachedLaunch(k) for k in (_send_kernel, _recv_kernel,
                                                                                        _back_kernel, _reduce_kernel))
+        # read on every call: the state's views (attribute lookups through NamedViews cost µs) and each
+        # kernel's constexprs, made once per Dispatcher (ALIGN / ACC depend on the dtype: `_consts`)
+        st, cfg, K = self.state, self.cfg, topk
+        self._bufs = (st.recv_w, st.recv_src, st.count, st.epoch)
+        common = dict(K=K, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
+        self._send_consts = dict(common, BLOCK_K=_P2(K), BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_EL=_P2(self.E_L))
+        self._recv_consts = dict(common, BLOCK_R=cfg.block_rows)
+        self._reduce_consts = dict(common, BLOCK_K=_P2(K), enable_fp_fusion=False)
 
     def free(self) -> None:
         self.state.free()
@@ -304,18 +312,17 @@ class LowLatencyEngine:
         kernel is queued; the outputs are filled once recv_hook() has queued the receive kernel."""
         self.state.check_live()
         self.check_errors()
-        st, cfg, W, E_L, M, K, H = self.state, self.cfg, self.W, self.E_L, self.M, self.K, self.H
-        T, cap, dev = x.shape[0], self.W * self.M, x.device
+        W, E_L, M, H = self.W, self.E_L, self.M, self.H
+        recv_w, recv_src, count, epoch = self._bufs
+        T, cap, dev, cp = x.shape[0], W * M, x.device, self.cfg.col_programs
         topk, weights = topk_idx.contiguous(), topk_weights.float().contiguous()
         recv, row = self._staging("recv", x.dtype)
         back, _ = self._staging("back", x.dtype)
-        key = (x.dtype, topk.dtype)
+        consumed = self._sig[_SIG_CONSUMED]
         self._send.launch(
-            (max(T, 1), cfg.col_programs), key, self._or_dummy(x), self._or_dummy(topk), self._or_dummy(weights), recv, st.recv_w, st.recv_src, st.count,
-            self._sig[_SIG_CONSUMED], st.epoch, back, self._err, self._pairs, self._ctr[0], T, self.E, E_L, W, M, H,
-            row, K=K, BLOCK_K=_P2(K), BLOCK_C=min(1024, _P2(M * K)), BLOCK_EL=_P2(E_L), BLOCK_H=cfg.block_h,
-            ALIGN=16 // x.element_size(),
-            num_warps=cfg.num_warps)
+            (max(T, 1), cp), (x.dtype, topk.dtype), self._or_dummy(x), self._or_dummy(topk), self._or_dummy(weights),
+            recv, recv_w, recv_src, count, consumed, epoch, back, self._err, self._pairs, self._ctr[0], T, self.E, E_L,
+            W, M, H, row, ALIGN=16 // x.element_size(), **self._send_consts)
         out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((E_L, cap), dtype=torch.float32, device=dev)
         per_expert = torch.empty(E_L, dtype=torch.int64, device=dev)
@@ -326,9 +333,8 @@ class LowLatencyEngine:
             if handle.received:
                 raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
             self._recv.launch(
-                (E_L, W, cfg.col_programs), x.dtype, recv, st.recv_w, st.recv_src, st.count, self._sig[_SIG_CONSUMED], st.epoch, out_x, out_w,
-                handle.row_src, per_expert, self._ctr[1], W, M, H, row, K=K, BLOCK_R=cfg.block_rows,
-                BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
+                (E_L, W, cp), x.dtype, recv, recv_w, recv_src, count, consumed, epoch, out_x, out_w, handle.row_src,
+                per_expert, self._ctr[1], W, M, H, row, **self._recv_consts)
             handle.received = True
 
         if not defer_recv:
@@ -342,18 +348,17 @@ class LowLatencyEngine:
         if not h.received:
             raise ValueError("combine: call res.recv_hook() first; the receive half of this low-latency dispatch "
                              "has not run, so its rows are not there yet")
-        cfg, W, M, K, H = self.cfg, self.W, self.M, self.K, self.H
+        W, M, H, cp = self.W, self.M, self.H, self.cfg.col_programs
+        epoch = self._bufs[3]
+        ready, consumed = self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED]
         back, row = self._staging("back", y.dtype)
         self._back.launch(
-            (self.E_L, cfg.col_programs), y.dtype, y, h.row_src, h.tokens_per_expert, back, self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED],
-            self.state.epoch, self._ctr[2], W, M, H, row, K=K, BLOCK_R=cfg.block_rows, BLOCK_H=cfg.block_h,
-            ALIGN=16 // y.element_size(), num_warps=cfg.num_warps)
+            (self.E_L, cp), y.dtype, y, h.row_src, h.tokens_per_expert, back, ready, consumed, epoch, self._ctr[2], W, M,
+            H, row, ALIGN=16 // y.element_size(), **self._recv_consts)
         T = h.topk_idx.shape[0]
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
         self._reduce.launch(
-            (max(T, 1), cfg.col_programs), (y.dtype, h.topk_idx.dtype), back,
-            self._or_dummy(h.topk_idx), self._or_dummy(h.topk_weights), self._or_dummy(out),
-            self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED], self.state.epoch, self._ctr[3], T, self.E, W, H,
-            row, K=K, BLOCK_K=_P2(K), BLOCK_H=cfg.block_h, ACC=tl.float64 if y.dtype == torch.float64 else tl.float32,
-            num_warps=cfg.num_warps, enable_fp_fusion=False)
+            (max(T, 1), cp), (y.dtype, h.topk_idx.dtype), back, self._or_dummy(h.topk_idx),
+            self._or_dummy(h.topk_weights), self._or_dummy(out), ready, consumed, epoch, self._ctr[3], T, self.E, W, H,
+            row, ACC=tl.float64 if y.dtype == torch.float64 else tl.float32, **self._reduce_consts)
         return out
