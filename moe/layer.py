@@ -11,7 +11,9 @@ w) -> res` with res.x [R, H] expert-major, res.tokens_per_expert [E_l], res.hand
 r*E/EP ... (r+1)*E/EP - 1) or `LocalDispatcher` (EP = 1, no distributed runtime: a sort and the
 fused permute / weighted unpermute of moe/ops/permute.py, no host sync). Under torch.compile the
 local dispatcher is traced with the rest of the layer; any other dispatcher runs eagerly between
-compiled graphs (a graph break).
+compiled graphs (a graph break). dispatcher="fused" holds a tilecomm.overlap.FusedMoEWorkspace instead: the
+experts then run as tilecomm.overlap.fused_moe (dispatch fused into the gate_up grouped GEMM, combine into the
+down one, forward and backward), computing what dispatcher="tilecomm" computes.
 
 Initialisation is per global id from config.seed (router: slot 0, expert e: slot 1 + e, shared expert:
 slot 1 + E; see experts.expert_generator), so layers built with the same config on EP = 1, 2, 3 ...
@@ -115,14 +117,25 @@ class LocalDispatcher:
 
 def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None, share_with=None):
     """"local" (LocalDispatcher), "tilecomm" / "nccl" (tilecomm.dispatch.Dispatcher over the EP world),
-    or "auto": tilecomm when its runtime is up with more than one rank, else local. share_with: another
-    layer's dispatcher of the same config, whose symmetric buffers this one reuses (the layers of a model
-    dispatch one after another, so one set of buffers serves them all)."""
+    "fused" (tilecomm.overlap.FusedMoEWorkspace: fused dispatch + experts + combine), or "auto": tilecomm
+    when its runtime is up with more than one rank, else local. share_with: another layer's dispatcher of
+    the same config, whose symmetric buffers this one reuses (the layers of a model dispatch one after
+    another, so one set of buffers serves them all; a fused workspace is shared as it is)."""
     if kind == "auto":
         import tilecomm
         kind = "tilecomm" if tilecomm.is_initialized() and tilecomm.world_size() > 1 else "local"
     if kind == "local":
         return LocalDispatcher(config.num_experts, config.hidden, config.topk, config.dtype)
+    if kind == "fused":
+        from tilecomm.overlap import FusedMoEWorkspace
+        if isinstance(share_with, FusedMoEWorkspace):
+            if (share_with.num_experts, share_with.hidden, share_with.ffn_hidden, share_with.max_tokens,
+                    share_with.topk, share_with.dtype) != (config.num_experts, config.hidden, config.ffn_hidden,
+                                                           config.max_tokens_per_rank, config.topk, config.dtype):
+                raise ValueError("make_dispatcher: share_with is a FusedMoEWorkspace of another configuration")
+            return share_with
+        return FusedMoEWorkspace(config.num_experts, config.hidden, config.ffn_hidden, config.max_tokens_per_rank,
+                                 config.topk, config.dtype)
     from tilecomm.dispatch import Dispatcher
     buffers = getattr(share_with, "buffers", None)
     return Dispatcher(config.num_experts, config.hidden, config.max_tokens_per_rank, config.topk, config.dtype,
@@ -183,6 +196,8 @@ class MoELayer(nn.Module):
         if isinstance(self.dispatcher, LocalDispatcher):  # traceable by torch.compile
             res = self.dispatcher.dispatch(tokens, r.topk_idx, r.topk_weights)
             y = self.dispatcher.combine(self.experts(res.x, res.tokens_per_expert), res.handle)
+        elif not hasattr(self.dispatcher, "dispatch"):  # a FusedMoEWorkspace: dispatch, experts, combine in one op
+            y = _eager_fused(self.dispatcher, tokens, r.topk_idx, r.topk_weights, self.experts)
         else:
             res = _eager_dispatch(self.dispatcher, tokens, r.topk_idx, r.topk_weights)
             y = _eager_combine(self.dispatcher, self.experts(res.x, res.tokens_per_expert), res.handle)
@@ -199,6 +214,12 @@ def _eager_dispatch(dispatcher, x, topk_idx, topk_weights):
 @torch.compiler.disable
 def _eager_combine(dispatcher, y, handle):
     return dispatcher.combine(y, handle)
+
+
+@torch.compiler.disable
+def _eager_fused(workspace, x, topk_idx, topk_weights, experts):
+    from tilecomm.overlap import fused_moe
+    return fused_moe(x, topk_idx, topk_weights, experts.w_gate_up, experts.w_down, workspace)
 
 
 def shard_expert_state(state: dict, ep_rank: int, ep_size: int, num_experts: int) -> dict:

@@ -1,0 +1,131 @@
+"""tilecomm.overlap.fused_moe and MoELayer(dispatcher="fused") on 2, 3 and 4 CPU ranks, float64, against the
+unfused path (a dispatcher="tilecomm" Dispatcher + the experts + combine): outputs, input gradients, every
+parameter gradient and the routing-weight gradients within 1e-9. Routing: random, skewed onto one rank's
+experts (others get none), -1 entries, a token naming one expert twice, ranks with no tokens, top-k 1..8.
+One spawn per world size runs all of its cases (the CPU suite's time budget)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilecomm
+from tilecomm.dispatch import Dispatcher
+from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
+from tilecomm.overlap import FusedMoEWorkspace, fused_moe, fused_moe_reference
+
+H, F, M = 32, 16, 24  # hidden, ffn hidden, max tokens per rank
+TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+def _routing(kind: str, T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, K] expert ids. random: K distinct experts; skewed: experts 0..K-1 (the first ranks' experts) with
+    some -1 entries and, in token 0, one expert named twice."""
+    if kind == "random":
+        return torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K).long()
+    idx = torch.arange(K).repeat(T, 1)
+    idx[torch.rand(T, K, generator=gen) < 0.3] = -1
+    if T and K > 1:
+        idx[0, 1] = idx[0, 0] = 0
+    return idx
+
+
+def _inputs(case, rank: int, world: int):
+    E, K, tokens, kind = case
+    T = tokens[rank % len(tokens)]
+    gen = torch.Generator().manual_seed(100 * rank + 7 * K + E)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    w = torch.rand(T, K, generator=gen)
+    wgen = torch.Generator().manual_seed(1000 + rank)
+    w_gate_up = torch.randn(E // world, H, 2 * F, generator=wgen, dtype=torch.float64) * 0.3
+    w_down = torch.randn(E // world, F, H, generator=wgen, dtype=torch.float64) * 0.3
+    grad_out = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    return [x, w, w_gate_up, w_down], _routing(kind, T, E, K, gen), grad_out
+
+
+def _run(op, leaves, idx, grad_out, comm):
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    out = op(leaves[0], idx, leaves[1], leaves[2], leaves[3], comm)
+    (out * grad_out).sum().backward()
+    return [out] + [t.grad for t in leaves]
+
+
+def functional_body(cases):
+    """fused_moe against fused_moe_reference over a tilecomm Dispatcher, case by case; the fused workspace
+    runs each case twice (its channels' second call)."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    for case in cases:
+        E, K = case[0], case[1]
+        leaves, idx, grad_out = _inputs(case, rank, world)
+        d = Dispatcher(E, H, M, K, torch.float64)
+        expect = _run(fused_moe_reference, leaves, idx, grad_out, d)
+        d.free()
+        ws = FusedMoEWorkspace(E, H, F, M, K, torch.float64)
+        for _ in range(2):
+            got = _run(fused_moe, leaves, idx, grad_out, ws)
+            for name, a, b in zip(("out", "x", "topk_weights", "w_gate_up", "w_down"), got, expect):
+                torch.testing.assert_close(a, b.to(a.dtype), **TOL, msg=lambda m: f"{case} {name}: {m}")
+        ws.free()
+
+
+def layer_body(E, K):
+    """Two MoE layers in a row (sharing one fused workspace, as a model's layers do) with dispatcher "fused"
+    against the same layers with "tilecomm": outputs, aux loss, input and every parameter gradient."""
+    rank = tilecomm.rank()
+    c = MoEConfig(hidden=H, ffn_hidden=F, num_experts=E, topk=K, num_shared_experts=1, seed=5, init_std=0.3,
+                  dtype=torch.float64, max_tokens_per_rank=M, router=dict(aux_loss_coeff=1e-2))
+    x = torch.randn(2, 4 + rank, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    results = []
+    for kind in ("tilecomm", "fused"):
+        first = make_dispatcher(c, kind)
+        layers = [MoELayer(c, dispatcher=first), MoELayer(c, dispatcher=make_dispatcher(c, kind, share_with=first))]
+        xi = x.clone().requires_grad_()
+        y, aux = layers[0](xi)
+        y2, aux2 = layers[1](y)
+        (y2.square().sum() + aux + aux2).backward()
+        results.append([y2, aux + aux2, xi.grad] + [p.grad for layer in layers for p in layer.parameters()])
+        first.free()
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, **TOL)
+
+
+def bad_inputs_body():
+    """Shapes and dtypes are checked before any kernel runs (on every rank: nobody is left waiting)."""
+    E, K = 4, 2
+    ws = FusedMoEWorkspace(E, H, F, M, K, torch.float64)
+    leaves, idx, _ = _inputs((E, K, [3], "random"), tilecomm.rank(), tilecomm.world_size())
+    x, w, w_gate_up, w_down = leaves
+    with pytest.raises(ValueError, match="w_down"):
+        fused_moe(x, idx, w, w_gate_up, w_down[:, :, :-1], ws)
+    with pytest.raises(TypeError, match="dtype"):
+        fused_moe(x.float(), idx, w, w_gate_up, w_down, ws)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        fused_moe(torch.zeros(M + 1, H, dtype=torch.float64), torch.zeros(M + 1, K).long(), torch.zeros(M + 1, K),
+                  w_gate_up, w_down, ws)
+    with pytest.raises(ValueError, match="topk_idx values"):  # found on the device: raised after the call
+        fused_moe(x, idx.clamp(max=0) - 2, w, w_gate_up, w_down, ws)
+    torch.testing.assert_close(fused_moe(x, idx, w, w_gate_up, w_down, ws),  # the workspace still works
+                               fused_moe_reference(x, idx, w, w_gate_up, w_down, Dispatcher(E, H, M, K, torch.float64,
+                                                                                            backend="nccl")), **TOL)
+    ws.free()
+
+
+# (num_experts, topk, tokens per rank (cycled), routing)
+CASES = {
+    2: [(8, 1, [9, 6], "random"), (8, 8, [5, 7], "skewed")],
+    3: [(6, 2, [8, 5, 0], "random"), (12, 5, [4, 0, 6], "skewed")],
+    4: [(8, 3, [5, 0, 9, 3], "random"), (8, 7, [6, 4, 0, 2], "skewed"), (16, 4, [0, 3, 5, 2], "skewed")],
+}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fused_moe_matches_unfused(ranks, world):
+    ranks(world).run(functional_body, CASES[world])
+
+
+@pytest.mark.parametrize("world,experts,topk", [(2, 4, 1), (3, 6, 2), (4, 8, 6)])
+def test_fused_moe_layer_matches_tilecomm_layer(ranks, world, experts, topk):
+    ranks(world).run(layer_body, experts, topk)
+
+
+def test_fused_moe_bad_inputs(ranks):
+    ranks(2).run(bad_inputs_body)
