@@ -21,6 +21,7 @@ from tilecomm.dispatch import layout as dl  # noqa: E402
 from tilecomm.dispatch.compile_cases import gpu_compile_cases  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
 from tilecomm.overlap import team as ov_team  # noqa: E402
+from tilecomm.overlap.moe_compile_cases import gpu_compile_cases as moe_compile_cases  # noqa: E402
 from tilecomm.overlap import tiles as ot  # noqa: E402
 
 og = importlib.import_module("tilecomm.overlap.ag_gemm")  # the package re-exports functions of these names
@@ -79,6 +80,7 @@ CASES = [
                          "stride_am": "i32", "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG}, GEMM),
 ]
 CASES += gpu_compile_cases()  # the dispatch kernels (dispatch/compile_cases.py)
+CASES += moe_compile_cases()  # the fused MoE experts (overlap/moe_compile_cases.py)
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def compiled():
 
 def test_kernels_compile_for_sm90_nvlink_transport(compiled):
     rows = compiled["nvlink"]
-    assert len(rows) == 23 and all(r["cubin_bytes"] > 0 for r in rows.values())
+    assert len(rows) == 28 and all(r["cubin_bytes"] > 0 for r in rows.values())
     assert rows["_exchange._pairs_kernel"]["release_sys_atomic"]  # signal: release at system scope
     assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_exchange._reduce_kernel"]["vector_16B"]
     assert rows["team._release_kernel"]["release_sys_atomic"]  # to PEs read from the team's table
@@ -45,9 +45,12 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
     for gemm in ("ag_gemm._gemm_kernel", "gemm_rs._gemm_rs_kernel", "tiles._matmul_kernel", "grouped._rows_kernel",
                  "grouped._wgrad_kernel"):  # Hopper tensor-core MMA fed by TMA, no local memory (spills)
         assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
+    for gemm in ("moe_gemm._gate_up_kernel", "moe_gemm._down_grad_kernel", "moe_gemm._scatter_kernel"):
+        assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
+    assert rows["moe_gemm._scatter_kernel"]["release_sys_atomic"] and rows["moe_comm._send_kernel"]["release_sys_atomic"]
 
 
 def test_kernels_compile_for_sm90_nvshmem_transport(compiled):
     rows = compiled["nvshmem"]
-    assert len(rows) == 23
+    assert len(rows) == 28
     assert rows["_exchange._pairs_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]

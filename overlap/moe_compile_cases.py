@@ -1,0 +1,42 @@
+"""The fused MoE kernels (moe_comm.py, moe_gemm.py) with launch-like signatures, for tests/gpu_compile.py (the
+sm_90 build check that needs no GPU): (kernel, {argument: Triton type or "constexpr"}, {constexpr: value}),
+bf16 data, the GPU tiles of moe_fused.FusedMoEConfig."""
+from __future__ import annotations
+
+import triton.language as tl
+
+from . import moe_comm as mc
+from . import moe_gemm as mg
+
+_P64, _P32, _F32, _BF16 = "*i64", "*i32", "*fp32", "*bf16"
+_GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_PAD=64, ACC=tl.float32, PRECISION="tf32")
+
+
+def _case(kernel, pointers: dict, constexprs: dict, wide=("seq", "stride_we")):
+    """Every argument not named is an int32 scalar; `wide` ones are int64."""
+    signature = {}
+    for name in kernel.arg_names:
+        signature[name] = "constexpr" if name in constexprs else pointers.get(name, "i64" if name in wide else "i32")
+    return kernel, signature, constexprs
+
+
+def gpu_compile_cases() -> list:
+    gather = {"stage_ptr": _BF16, "words_ptr": _P64, "plan_ptr": _P64, "offs_ptr": _P32, "w_ptr": _BF16}
+    return [
+        _case(mc._send_kernel, {"x_ptr": _BF16, "topk_ptr": _P64, "w_ptr": _F32, "counts_ptr": _P32, "slots_ptr": _P32,
+                                "stage_ptr": _BF16, "pair_w_ptr": _F32, "words_ptr": _P64, "consumed_ptr": _P64},
+              dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_B=16, BLOCK_W=8, BLOCK_H=256, ALIGN=8,
+                   WITH_META=True)),
+        _case(mc._reduce_kernel, {"back_ptr": _BF16, "back_w_ptr": _F32, "flags_ptr": _P64, "topk_ptr": _P64,
+                                  "out_ptr": _BF16, "values_ptr": _F32, "consumed_ptr": _P64, "counter_ptr": _P32},
+              dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_H=256, HAS_VALUES=True, ACC=tl.float32)),
+        _case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16, "x_out_ptr": _BF16,
+                                   "row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32},
+              dict(_GEMM, BLOCK_W=8, SAVE_X=True)),
+        _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16, "g_out_ptr": _BF16,
+                                     "row_gw_ptr": _F32}, dict(_GEMM, BLOCK_W=8)),
+        _case(mg._scatter_kernel, {"a_ptr": _BF16, "w_ptr": _BF16, "offs_ptr": _P32, "row_pair_ptr": _P32,
+                                   "row_src_ptr": _P32, "coef_ptr": _F32, "vals_ptr": _F32, "back_ptr": _BF16,
+                                   "back_w_ptr": _F32, "flags_ptr": _P64, "consumed_ptr": _P64},
+              dict(_GEMM, B_TRANS=True, HAS_COEF=True, HAS_VALS=True, ALIGN=8)),
+    ]
