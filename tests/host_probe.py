@@ -17,10 +17,13 @@ from tilecomm.collectives import api
 from tilecomm.jit import CachedLaunch
 
 
-def host_us(fn, n=2000):
+def host_us(fn, n=2000, busy=False):
+    """busy: the GPU is kept busy meanwhile (a sleep kernel queued first), so launches queue up."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
+    if busy:
+        torch.cuda._sleep(200_000_000)
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -45,6 +48,7 @@ def main():
     out = torch.empty_like(x)
     rows = []
     rows.append(("all_to_all_single (public)", host_us(lambda: tilecomm.all_to_all_single(out, x))))
+    rows.append(("all_to_all_single (public), GPU busy", host_us(lambda: tilecomm.all_to_all_single(out, x), busy=True)))
     rows.append(("all_gather_into_tensor (public)", host_us(lambda: tilecomm.all_gather_into_tensor(out, x))))
     rows.append(("  checks: _check_call", host_us(lambda: api._check_call("w", None, "o", out, "i", x))))
     rows.append(("  checks: _splits x2", host_us(lambda: (api._splits("w", "a", None, 128, 1), api._splits("w", "b", None, 128, 1)))))
@@ -62,16 +66,21 @@ def main():
     CachedLaunch.launch = real_launch
     self, grid, key, args, kw = captured["launch"]
     rows.append(("  CachedLaunch.launch", host_us(lambda: self.launch(grid, key, *args, **kw))))
-    kernel, consts = next(iter(self.kernels.values()))
+    run, function, prefix, consts = next(iter(self.kernels.values()))
     values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     stream = torch._C._cuda_getCurrentRawStream(0)
     g0 = grid[0]
-    rows.append(("  kernel.run (Triton launcher)", host_us(
-        lambda: kernel.run(g0, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *values, *consts))))
+    rows.append(("  C launch with the call's values" if len(prefix) > 4 else "  kernel.run with the call's values",
+                 host_us(lambda: run(g0, 1, 1, stream, function, *prefix, *values, *consts))))
     rows.append(("  data_ptr x4 + stream query", host_us(
         lambda: (x.data_ptr(), out.data_ptr(), x.data_ptr(), out.data_ptr(), torch._C._cuda_getCurrentRawStream(0)))))
     rows.append(("  runtime.check_errors", host_us(tilecomm.runtime.check_errors)))
+    words = tilecomm.current().device_state._code
+    plain = words.copy()
+    rows.append(("  read of the pinned error word", host_us(lambda: words[0])))
+    rows.append(("  read of an ordinary NumPy word", host_us(lambda: plain[0])))
     rows.append(("floor: out.copy_(x)", host_us(lambda: out.copy_(x))))
+    rows.append(("floor: out.copy_(x), GPU busy", host_us(lambda: out.copy_(x), busy=True)))
     k1 = one_arg[(1,)](x)
     rows.append(("floor: 1-arg Triton kernel, run()", host_us(
         lambda: k1.run(1, 1, 1, stream, k1.function, k1.packed_metadata, None, None, None, x.data_ptr()))))
