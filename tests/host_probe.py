@@ -113,6 +113,15 @@ def low_latency_profile():
         y = res.x.clone()
         print(f"low-latency dispatch host µs {host_us(lambda: d.dispatch(x, idx, w), 300):.1f}, "
               f"combine {host_us(lambda: d.combine(y, res.handle), 300):.1f}")
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("dispatch", lambda: d.dispatch(x, idx, w)), ("combine", lambda: d.combine(y, res.handle))):
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"low-latency {name} kernels (µs per call):",
+                  [(e.key[:30], round(e.device_time_total / 20, 1)) for e in p.key_averages() if e.device_time_total > 0])
         for name, fn in (("dispatch", lambda: d.dispatch(x, idx, w)), ("combine", lambda: d.combine(y, res.handle))):
             prof = cProfile.Profile()
             prof.enable()
