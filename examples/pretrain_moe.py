@@ -4,7 +4,9 @@ MoE pretraining on tilecomm: the main job
 
 A small decoder-only transformer whose MLPs (after a dense prefix) are mixture-of-experts layers,
 trained with expert parallelism: every rank holds E/W experts, tokens travel to their experts and
-back through `tilecomm.dispatch` (or the NCCL/gloo path, `--dispatcher nccl`), attention runs data
+back through `tilecomm.dispatch` (or the NCCL/gloo path, `--dispatcher nccl`; or `--dispatcher fused`:
+dispatch fused into the experts' first grouped GEMM and combine into the second, tilecomm.overlap.fused_moe,
+also at world size 1), attention runs data
 parallel over the same ranks (MoE Parallel Folding: attention tp x cp x dp = W, experts ep = W with
 etp = edp = 1, pp = 1; `--cp C` splits every sequence over C ranks, attention all-gathering K/V inside
 each CP group; `--tp T` splits attention heads and the dense MLP over T ranks with sequence
@@ -12,6 +14,7 @@ parallelism, their all-gather / reduce-scatter fused into the GEMMs by tilecomm.
 
     python examples/pretrain_moe.py                       # 2 CPU ranks, tiny model, ~2 minutes
     python examples/pretrain_moe.py --world-size 3 --steps 20 --dispatcher nccl
+    python examples/pretrain_moe.py --world-size 2 --steps 20 --dispatcher fused
     python examples/pretrain_moe.py --world-size 4 --tp 2 --cp 2
     torchrun --nproc-per-node 4 examples/pretrain_moe.py --preset h200x4   # GPUs, unchanged code
 
@@ -100,7 +103,8 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
     first: list = []  # the MoE layers share one dispatcher's symmetric buffers (they dispatch one after another)
 
     def moe_layer(i: int) -> MoELayer:
-        d = make_dispatcher(moe_cfg, args.dispatcher if world > 1 else "local", share_with=first[0] if first else None)
+        kind = args.dispatcher if world > 1 or args.dispatcher == "fused" else "local"
+        d = make_dispatcher(moe_cfg, kind, share_with=first[0] if first else None)
         first.append(d)
         return MoELayer(moe_cfg, dispatcher=d, device=device)
 
@@ -151,7 +155,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps to train to (default: the preset's)")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also checkpoint every N steps (default 0: only at the end)")
-    p.add_argument("--dispatcher", choices=["tilecomm", "nccl"], default="tilecomm")
+    p.add_argument("--dispatcher", choices=["tilecomm", "nccl", "fused"], default="tilecomm",
+                   help="fused: the experts as tilecomm.overlap.fused_moe (dispatch and combine inside the grouped GEMMs)")
     p.add_argument("--data", default=None, help="text file (bytes) or .bin of uint16 tokens; default: Markov source")
     p.add_argument("--out", default="runs/pretrain_moe")
     p.add_argument("--resume", action="store_true")

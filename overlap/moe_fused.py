@@ -28,14 +28,14 @@ grouped GEMMs (grouped.py `_wgrad`: w_down from act and w * g, w_gate_up from th
 `_scatter_kernel` of dh @ w_gate_up^T into the sources (dispatch's gradient is a combine) -> reduce (grad_x
 and the routing-weight gradients).
 
-Streams: on GPUs the send kernels run on the workspace's stream (launched first, as ag_gemm's push) while
-the gate_up / down-gradient GEMM waits per row tile on the current stream; the rest runs on the current
-stream. On CPU ranks every launch runs to completion before the next: each wait is on a peer or on an
-earlier launch. `fused_moe_reference` is the unfused path (any Dispatcher + a torch loop over experts).
+Streams: every launch runs on the current stream, in order. A GEMM's waits are on other ranks' sends (running
+concurrently on their GPUs; this rank's own rows were pushed by the send just before) or their GEMMs: a
+persistent GEMM never waits on a kernel queued behind it on the same GPU (which could not get an SM), and on
+CPU ranks, where the interpreter runs each launch to completion, every wait is on a peer or an earlier launch.
+`fused_moe_reference` is the unfused path (any Dispatcher + a torch loop over experts).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -155,7 +155,6 @@ class FusedMoEWorkspace:
         self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
         self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._event = torch.cuda.Event() if dev.type == "cuda" else None
-        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._dummies: dict = {}
         self.seq = [0, 0, 0]  # route, staging channel, back channel: the same on every rank
 
@@ -207,39 +206,21 @@ class FusedMoEWorkspace:
         R, _, lo, hi = (self._info_host if self._event is not None else self._info).tolist()
         return R, lo, hi
 
-    @contextlib.contextmanager
-    def _send_stream(self, tensors):
-        """GPUs: run the body on the workspace's stream (after the current stream's work so far)."""
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
-        for t in tensors:
-            t.record_stream(self.stream)
-
-    def _join_send_stream(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
     def _send(self, x, topk, weights, slots) -> None:
         """Rows of x [T, H] to the expert ranks; weights [T, K] float32 (forward: slots are computed into
         `slots`) or None (backward: slots are read)."""
         self.seq[1] += 1
         st, T, cfg = self.state, x.shape[0], self.cfg
-        with self._send_stream([t for t in (x, topk, weights, slots) if t is not None]):
-            _send_kernel[(max(1, triton.cdiv(T, self.bt)),)](
-                self._ptr(x, x.dtype), self._ptr(topk, topk.dtype), self._ptr(weights, torch.float32), self._counts,
-                self._ptr(slots, torch.int32), st.stage, st.pair_w, st.words, st.consumed[0], T, self.seq[1],
-                self.num_experts, self.num_local_experts, self.world_size, self.max_tokens, self.hidden,
-                self.max_tokens * self.topk, K=self.topk, BT=self.bt, BLOCK_P=_P2(self.bt * self.topk),
-                BLOCK_T=_P2(self.bt), BLOCK_K=_P2(self.topk), BLOCK_B=16, BLOCK_W=_P2(self.world_size),
-                BLOCK_H=cfg.block_h, ALIGN=16 // x.element_size(), WITH_META=weights is not None, num_warps=4)
+        _send_kernel[(max(1, triton.cdiv(T, self.bt)),)](
+            self._ptr(x, x.dtype), self._ptr(topk, topk.dtype), self._ptr(weights, torch.float32), self._counts,
+            self._ptr(slots, torch.int32), st.stage, st.pair_w, st.words, st.consumed[0], T, self.seq[1],
+            self.num_experts, self.num_local_experts, self.world_size, self.max_tokens, self.hidden,
+            self.max_tokens * self.topk, K=self.topk, BT=self.bt, BLOCK_P=_P2(self.bt * self.topk),
+            BLOCK_T=_P2(self.bt), BLOCK_K=_P2(self.topk), BLOCK_B=16, BLOCK_W=_P2(self.world_size),
+            BLOCK_H=cfg.block_h, ALIGN=16 // x.element_size(), WITH_META=weights is not None, num_warps=4)
 
     def _release_stage(self) -> None:
         """SET consumed[0][me] = seq everywhere: this rank has read the staged rows of the call."""
-        self._join_send_stream()
         team = self.team
         _release_kernel[(1,)](self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
 

@@ -1,4 +1,5 @@
-"""`python -m tilecomm.bench {all_to_all,all_gather,reduce_scatter,dispatch,ag_gemm,gemm_rs} [options]` (see tilecomm.bench).
+"""`python -m tilecomm.bench {all_to_all,all_gather,reduce_scatter,dispatch,ag_gemm,gemm_rs,self,moe_layer} [options]`
+(see tilecomm.bench).
 
 Under torchrun (RANK and WORLD_SIZE set) every process is one rank: torch.distributed is
 initialised here (NCCL on GPUs, gloo on CPU), then tilecomm.init. Otherwise the command spawns
@@ -26,8 +27,9 @@ _DEFAULTS = {"rows": ("4096,128", "64"), "hidden": (7168, 128), "shape": ("8192x
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tilecomm.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("op", choices=OPS + ("dispatch",) + overlap_bench.OPS + ("self",),
-                   help="self: every op at world size 1 on this GPU beside a copy floor (bench/world1.py)")
+    p.add_argument("op", choices=OPS + ("dispatch",) + overlap_bench.OPS + ("self", "moe_layer"),
+                   help="self: every op at world size 1 on this GPU beside a copy floor (bench/world1.py); "
+                        "moe_layer: a MoE layer with dispatcher 'fused' beside 'tilecomm', world 1 (bench/moe_layer.py)")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: cuda when torch sees a GPU, else cpu (gloo baseline, timings not meaningful)")
     p.add_argument("--world-size", type=int, default=None,
@@ -130,6 +132,11 @@ def main(argv=None) -> int:
         from . import world1
 
         world1.run(backend, args.json_path, args.iters or (50 if backend == "cuda" else 2))
+        return 0
+    if args.op == "moe_layer":
+        from . import moe_layer
+
+        moe_layer.run(backend, args.json_path, args.iters or (20 if backend == "cuda" else 2))
         return 0
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:
