@@ -124,15 +124,32 @@ def _route_kernel(topk_ptr, counts_ptr, totals_ptr, minmax_ptr, counter_ptr, not
 
 
 @triton.jit
-def _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M,
-               K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Route, slot and weight of this block's pairs into every rank's [me, t, k] (slot: earlier blocks'
-    counts of the pair's expert + pairs of that expert before it in this block)."""
+def block_owners(topk_ptr, b, T, E, E_L, K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Tokens of block b (index, in range) and the rank owning each pair's expert [BLOCK_T, BLOCK_K] (-1: none)."""
+    tt = tl.arange(0, BLOCK_T)
+    tok = b.to(tl.int64) * BT + tt
+    tok_ok = (tt < BT) & (tok < T)
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=tok_ok[:, None] & (kk < K)[None, :], other=-1)
+    return tok, tok_ok, tl.where((ids >= 0) & (ids < E), ids // E_L, -1)
+
+
+@triton.jit
+def token_pairs(topk_ptr, b, T, E, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The pairs of token block b: lane p, flat pair index t * K + k, in range, expert id, has an expert."""
     p = tl.arange(0, BLOCK_P)
     flat = b.to(tl.int64) * (BT * K) + p
     ok = (p < BT * K) & (flat < T * K)
     ids = tl.load(topk_ptr + flat, mask=ok, other=-1).to(tl.int64)
-    valid = ok & (ids >= 0) & (ids < E)
+    return p, flat, ok, ids, ok & (ids >= 0) & (ids < E)
+
+
+@triton.jit
+def pair_slots(counts_ptr, ids, valid, p, b, E, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Slot of each pair of token block b (lanes p in (t, k) order, expert ids, valid mask): its index among
+    this rank's pairs for its expert = pairs of earlier blocks (counts[b', e] from the route kernel) + pairs
+    of the same expert before it in the block."""
     e = tl.where(valid, ids, 0)
     slot = tl.zeros((BLOCK_P,), tl.int32)
     for b0 in range(0, b, BLOCK_B):
@@ -140,7 +157,17 @@ def _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, 
         slot += tl.sum(tl.load(counts_ptr + rb[:, None] * E + e[None, :], mask=(rb < b)[:, None] & valid[None, :],
                                other=0), axis=0)
     before = (ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None]) & valid[None, :]
-    slot += tl.sum(before.to(tl.int32), axis=1)
+    return slot + tl.sum(before.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M,
+               K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Route, slot and weight of this block's pairs into every rank's [me, t, k] (slot: earlier blocks'
+    counts of the pair's expert + pairs of that expert before it in this block)."""
+    p, flat, ok, ids, valid = token_pairs(topk_ptr, b, T, E, K, BT, BLOCK_P)
+    e = tl.where(valid, ids, 0)
+    slot = pair_slots(counts_ptr, ids, valid, p, b, E, BLOCK_P, BLOCK_B)
     w = tl.load(w_ptr + flat, mask=ok, other=0.0)
     owner = e // E_L
     el = (e % E_L).to(tl.int32)
@@ -186,12 +213,7 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
     if WITH_META:
         _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M, K, BT,
                    BLOCK_P, BLOCK_B, BLOCK_W)
-    tt = tl.arange(0, BLOCK_T)
-    tok = b.to(tl.int64) * BT + tt
-    tok_ok = (tt < BT) & (tok < T)
-    kk = tl.arange(0, BLOCK_K)
-    ids = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=tok_ok[:, None] & (kk < K)[None, :], other=-1)
-    owner = tl.where((ids >= 0) & (ids < E), ids // E_L, -1)
+    tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
     _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
     if HAS_X2:
         _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)

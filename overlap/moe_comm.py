@@ -7,7 +7,7 @@ S = M * K slots per (local expert, source rank), H hidden. Symmetric buffers: mo
 * send (programs: blocks of BT tokens): each token's row [H] goes ONCE to every rank that owns one of its
   experts, into stage[me, t] there (the Dispatcher's `_send_rows`). Then per pair (t, k) with expert e on
   rank r (local expert el there): its slot j, the index of the pair among this rank's pairs for e (earlier
-  blocks' counts from the route kernel + its rank inside the block, `pair_slots`; kept in slots[t, k] for
+  blocks' counts from the route kernel + its rank inside the block: dispatch/normal.py's `pair_slots`; kept in slots[t, k] for
   the backward, which sends with the same slots), its routing weight into pair_w[el, me, j] on r, and last
   the word seq << 32 | (t * K + k) into words[el, me, j] on r (release: row and weight land first). The
   receiver's row (el, me, j) is ready once the word's high half reaches seq: flag and pair index in one
@@ -30,7 +30,7 @@ import triton.language as tl
 import tilecomm
 import tilecomm.language as tcl
 from tilecomm.dispatch._device import last_program, peer_offset, signal_all, wait_all
-from tilecomm.dispatch.normal import _send_rows
+from tilecomm.dispatch.normal import _send_rows, block_owners, pair_slots, token_pairs
 
 _NONE = tl.constexpr(2 ** 62)  # "no word behind" (beyond every offset)
 
@@ -52,31 +52,6 @@ def wait_words(base, offs, mask, value):
     return cur
 
 
-@triton.jit
-def pair_slots(counts_ptr, ids, valid, p, b, E, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Slot of each pair of token block b (pairs p in (t, k) order, expert ids, valid mask): its index
-    among this rank's pairs for its expert = pairs of earlier blocks (counts[b', e] from the route
-    kernel) + pairs of the same expert before it in the block."""
-    e = tl.where(valid, ids, 0)
-    slot = tl.zeros((BLOCK_P,), tl.int32)
-    for b0 in range(0, b, BLOCK_B):
-        rb = b0 + tl.arange(0, BLOCK_B)
-        slot += tl.sum(tl.load(counts_ptr + rb[:, None] * E + e[None, :], mask=(rb < b)[:, None] & valid[None, :],
-                               other=0), axis=0)
-    before = (ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None]) & valid[None, :]
-    return slot + tl.sum(before.to(tl.int32), axis=1)
-
-
-@triton.jit
-def token_pairs(topk_ptr, b, T, E, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The pairs of token block b: lane p, flat pair index t * K + k, in range, expert id, has an expert."""
-    p = tl.arange(0, BLOCK_P)
-    flat = b.to(tl.int64) * (BT * K) + p
-    ok = (p < BT * K) & (flat < T * K)
-    ids = tl.load(topk_ptr + flat, mask=ok, other=-1).to(tl.int64)
-    return p, flat, ok, ids, ok & (ids >= 0) & (ids < E)
-
-
 @tilecomm.jit(do_not_specialize=["T", "seq"])
 def _send_kernel(x_ptr, topk_ptr, w_ptr, counts_ptr, slots_ptr, stage_ptr, pair_w_ptr, words_ptr, consumed_ptr,
                  T, seq, E, E_L, W, M, H, S, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -87,12 +62,7 @@ def _send_kernel(x_ptr, topk_ptr, w_ptr, counts_ptr, slots_ptr, stage_ptr, pair_
     b = tl.program_id(0)
     me = tcl.rank()
     wait_all(consumed_ptr, seq - 1, W)  # every rank has read the rows and words of my previous call
-    tt = tl.arange(0, BLOCK_T)
-    tok = b.to(tl.int64) * BT + tt
-    tok_ok = (tt < BT) & (tok < T)
-    kk = tl.arange(0, BLOCK_K)
-    ids2 = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=tok_ok[:, None] & (kk < K)[None, :], other=-1)
-    owner2 = tl.where((ids2 >= 0) & (ids2 < E), ids2 // E_L, -1)
+    tok, tok_ok, owner2 = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
     _send_rows(x_ptr, stage_ptr, owner2, tok, tok_ok, me, W, M, H, H, BLOCK_W, BLOCK_H, ALIGN)
     p, flat, ok, ids, valid = token_pairs(topk_ptr, b, T, E, K, BT, BLOCK_P)
     e = tl.where(valid, ids, 0)
@@ -120,26 +90,20 @@ def _reduce_kernel(back_ptr, back_w_ptr, flags_ptr, topk_ptr, out_ptr, values_pt
     b = tl.program_id(0)
     _, flat, _, _, valid = token_pairs(topk_ptr, b, T, E, K, BT, BLOCK_P)
     wait_words(flags_ptr, flat, valid, seq)
-    tt = tl.arange(0, BLOCK_T)
-    tok = b.to(tl.int64) * BT + tt
-    tok_ok = (tt < BT) & (tok < T)
-    cols0 = tl.arange(0, BLOCK_H)
+    tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, 1, K, BT, BLOCK_T, BLOCK_K)  # owner: the expert, -1 none
+    kk = tl.arange(0, BLOCK_K)
     for h in range(0, H, BLOCK_H):
-        cols = h + cols0
-        cm = cols < H
+        cols = h + tl.arange(0, BLOCK_H)
         acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
-        for k in tl.static_range(K):
-            ids = tl.load(topk_ptr + tok * K + k, mask=tok_ok, other=-1)
-            has = (ids >= 0) & (ids < E)
-            acc += tl.load(back_ptr + (tok * K + k)[:, None] * H + cols[None, :], mask=has[:, None] & cm[None, :],
-                           other=0.0).to(ACC)
+        for k in tl.static_range(K):  # k order, as the unfused combine sums a token's pairs
+            has = tl.max(tl.where(kk[None, :] == k, owner, -1), axis=1) >= 0
+            acc += tl.load(back_ptr + (tok * K + k)[:, None] * H + cols[None, :],
+                           mask=has[:, None] & (cols < H)[None, :], other=0.0).to(ACC)
         tl.store(out_ptr + tok[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=tok_ok[:, None] & cm[None, :])
+                 mask=tok_ok[:, None] & (cols < H)[None, :])
     if HAS_VALUES:
-        kk = tl.arange(0, BLOCK_K)
+        at = tok[:, None] * K + kk[None, :]
         pm = tok_ok[:, None] & (kk < K)[None, :]
-        ids2 = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=pm, other=-1)
-        vals = tl.load(back_w_ptr + tok[:, None] * K + kk[None, :], mask=pm & (ids2 >= 0) & (ids2 < E), other=0.0)
-        tl.store(values_ptr + tok[:, None] * K + kk[None, :], vals, mask=pm)
+        tl.store(values_ptr + at, tl.load(back_w_ptr + at, mask=owner >= 0, other=0.0), mask=pm)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)

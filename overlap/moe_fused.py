@@ -53,30 +53,26 @@ from .grouped import _wgrad
 from .moe_comm import _reduce_kernel, _send_kernel
 from .moe_gemm import _down_grad_kernel, _gate_up_kernel, _scatter_kernel
 from .team import _release_kernel, team_of
-from .tiles import dot_precision, num_programs, prepare_tma, tma_operand
+from .tiles import GemmConfig, dot_precision, num_programs, prepare_tma, tma_operand
 
 _P2 = triton.next_power_of_2
 
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """Tiles of the GEMMs (block_m rows per item, block_n output / block_k reduction columns per step),
-    tokens per send / reduce program, columns per row-copy step, warps and pipeline stages."""
+    """gemm: the GEMM kernels' tiles (BLOCK_M rows per item, BLOCK_N output / BLOCK_K reduction columns per
+    step), warps and pipeline stages (GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used); block_h:
+    columns per step of the row copies (send, reduce)."""
 
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    tokens_per_program: int = 16
+    gemm: GemmConfig = GemmConfig(128, 128, 64, 8, 8, 3, 1, False)
     block_h: int = 256
-    num_warps: int = 8
-    num_stages: int = 3
 
     @staticmethod
     def for_device(device: torch.device, hidden: int) -> "FusedMoEConfig":
         if device.type == "cuda":
             return FusedMoEConfig()
         # the interpreter: few, large programs and small tiles
-        return FusedMoEConfig(16, 32, 32, 64, min(256, _P2(hidden)), 1, 1)
+        return FusedMoEConfig(GemmConfig(16, 32, 32, 1, 1, 1, 1, False), min(256, _P2(hidden)))
 
 
 def fused_moe_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:
@@ -225,13 +221,13 @@ class FusedMoEWorkspace:
         _release_kernel[(1,)](self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
 
     def _gemm_args(self, tiles: int):
-        cfg = self.cfg
+        g = self.cfg.gemm
         return (num_programs(tiles, self.device),), dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, E_PAD=_P2(self.num_local_experts + 1),
-            ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
+            ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=g.num_warps, num_stages=g.num_stages)
 
     def _tiles(self, R: int) -> int:
-        return triton.cdiv(R, self.cfg.block_m) + self.num_local_experts
+        return triton.cdiv(R, self.cfg.gemm.BLOCK_M) + self.num_local_experts
 
     def _scatter_back(self, a, w, offs, row_pair, row_src, R, coef, vals, b_trans: bool) -> None:
         """Rows a[R, KA] @ w[e] (w[e]^T with b_trans) into their sources' back rows (+ per-row vals)."""
