@@ -31,7 +31,7 @@ import tilecomm.language as tcl
 
 from .team import OpWorkspace, release, team_of
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, matmul, num_programs, prepare_tma,
-                    resolve_config, store_tile, tile_position, tile_product, tma_operand)
+                    proxy_fence, resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
 
@@ -53,17 +53,51 @@ class GemmRsWorkspace(OpWorkspace):
             "consumed": ((W,), torch.int64, True)})
 
 
+@tilecomm.jit
+def _add_part(c, part_ptr, rows_left, cols_left, N, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """c [BLOCK_M, WIDTH] + the tile at part_ptr (row stride N) in fp32, rows >= rows_left and columns >=
+    cols_left read as zero; loaded as two [BLOCK_M, WIDTH // 2] halves (as `_put_part` stores)."""
+    HALF: tl.constexpr = WIDTH // 2
+    r = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, HALF)
+    offs = r[:, None] * N + k[None, :]
+    c0, c1 = split_cols(c, BLOCK_M, WIDTH)
+    c0 += tl.load(part_ptr + offs, mask=(r[:, None] < rows_left) & (k[None, :] < cols_left), other=0).to(tl.float32)
+    c1 += tl.load(part_ptr + HALF + offs, mask=(r[:, None] < rows_left) & (k[None, :] < cols_left - HALF),
+                  other=0).to(tl.float32)
+    return tl.join(c0, c1).permute(0, 2, 1).reshape(BLOCK_M, WIDTH)
+
+
+@tilecomm.jit
+def _put_part(c, slot_ptr, rows_left, cols_left, stride, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Store c [BLOCK_M, WIDTH] (fp32) at slot_ptr (row stride `stride`) in the slot's dtype, inside rows_left x
+    cols_left, as two [BLOCK_M, WIDTH // 2] stores (whole-half pointer stores spilled registers)."""
+    HALF: tl.constexpr = WIDTH // 2
+    r = tl.arange(0, BLOCK_M)
+    k = tl.arange(0, HALF)
+    offs = r[:, None] * stride + k[None, :]
+    c0, c1 = split_cols(c, BLOCK_M, WIDTH)
+    tl.store(slot_ptr + offs, c0.to(slot_ptr.dtype.element_ty), mask=(r[:, None] < rows_left) & (k[None, :] < cols_left))
+    tl.store(slot_ptr + HALF + offs, c1.to(slot_ptr.dtype.element_ty),
+             mask=(r[:, None] < rows_left) & (k[None, :] < cols_left - HALF))
+
+
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, mb, N, K, me, W,
                     tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
                     C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    # Register budget (a 128x256 fp32 accumulator is 128 of 255 registers per thread): the epilogue works on column
+    # halves (HALF = BLOCK_N // 2; EPILOGUE_SPLIT is not used), own tiles read partial tiles by TMA when rows are
+    # 16-byte aligned, pointer loads/stores go in quarters with int32 in-tile offsets, and no wait runs while the
+    # accumulator is live. Each of these spilled registers in the sm_90 build before (tests/gpu_compile.py).
+    HALF: tl.constexpr = BLOCK_N // 2
     a_desc = desc3(a_ptr, W, mb, K, tl.cast(mb, tl.int64) * stride_am, stride_am, BLOCK_M, BLOCK_K)
     # one group: any aligned group stride will do
     b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
-    o_desc = c_desc3(out_ptr, 1, mb, N, tl.cast(mb, tl.int64) * stride_om, stride_om, BLOCK_M,
-                     BLOCK_N // EPILOGUE_SPLIT, C_TMA)
+    o_desc = c_desc3(out_ptr, 1, mb, N, tl.cast(mb, tl.int64) * stride_om, stride_om, BLOCK_M, HALF, C_TMA)
+    r_desc = c_desc3(recv_ptr, W, mb, N, slot_stride, N, BLOCK_M, HALF, C_TMA)  # partial tiles, recv [W, max_rows, N]
     tiles_m = tl.cdiv(mb, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_owner = tiles_m * tiles_n
@@ -71,25 +105,46 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
         owner = (me + 1 + tile // per_owner) % W  # team index; its PE is pes[owner]
         t = tile % per_owner
         pid_m, pid_n = tile_position(t, tiles_m, tiles_n, GROUP_M)
-        acc = tile_product(a_desc, owner, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                           B_TRANS, PRECISION)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (after the main loop: no registers held across it)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < mb) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        if owner == me:
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        base = tl.cast(off_m, tl.int64) * N + off_n  # the tile's first element in a [mb, N] slot
+        rows_left = mb - off_m
+        cols_left = N - off_n
+        owner_pe = tl.load(pes_ptr + owner)
+        # Waits come before the main loop: a spin loop with the fp32 accumulator live spilled it.
+        ready = me
+        if owner == me:  # every peer's partial tile is in (an own tile is the last step: they are due)
+            parts = recv_ptr
             for s in range(1, W):
-                src = (me + s) % W
-                tok = tcl.wait(flags_ptr + src * flag_stride + t, epoch, tcl.CMP_GE)
-                part = tcl.consume_token(recv_ptr + tl.cast(src, tl.int64) * slot_stride, tok)
-                acc += tl.load(part + offs, mask=mask, other=0).to(tl.float32)
-            store_tile(o_desc, 0, out_ptr, stride_om, mb, N, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
-                       EPILOGUE_SPLIT, C_TMA)
-        else:
-            owner_pe = tl.load(pes_ptr + owner)
+                tok = tcl.wait(flags_ptr + ((me + s) % W) * flag_stride + t, epoch, tcl.CMP_GE)
+                ready = tcl.consume_token(ready, tok).to(tl.int32)
+        else:  # the owner has finished reading the last call's slot
             tok = tcl.wait(consumed_ptr + owner, epoch - 1, tcl.CMP_GE)
-            slot = tcl.consume_token(tcl.symm_at(recv_ptr, owner_pe), tok) + tl.cast(me, tl.int64) * slot_stride
-            tl.store(slot + offs, acc.to(recv_ptr.dtype.element_ty), mask=mask)
+            parts = tcl.consume_token(tcl.symm_at(recv_ptr, owner_pe), tok) + tl.cast(me, tl.int64) * slot_stride
+        acc = tile_product(a_desc, owner, off_m, b_desc, 0, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, PRECISION)
+        c0, c1 = split_cols(acc, BLOCK_M, BLOCK_N)
+        if owner == me:
+            if C_TMA:  # partial tiles by TMA (pointer loads with their masks spilled registers)
+                g = proxy_fence(ready)  # TMA reads see the peers' stores
+                for s in range(1, W):
+                    src = (g + s) % W
+                    c0 += r_desc.load([src, off_m, off_n]).reshape(BLOCK_M, HALF).to(tl.float32)
+                    c1 += r_desc.load([src, off_m, off_n + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
+            else:
+                for s in range(1, W):
+                    part = parts + tl.cast((ready + s) % W, tl.int64) * slot_stride + base
+                    c0 = _add_part(c0, part, rows_left, cols_left, N, BLOCK_M, HALF)
+                    c1 = _add_part(c1, part + HALF, rows_left, cols_left - HALF, N, BLOCK_M, HALF)
+            if C_TMA:
+                store_tile(o_desc, 0, out_ptr, stride_om, mb, N, c0, off_m, off_n, BLOCK_M, HALF, 1, True)
+                store_tile(o_desc, 0, out_ptr, stride_om, mb, N, c1, off_m, off_n + HALF, BLOCK_M, HALF, 1, True)
+            else:
+                out_tile = out_ptr + tl.cast(off_m, tl.int64) * stride_om + off_n
+                _put_part(c0, out_tile, rows_left, cols_left, stride_om, BLOCK_M, HALF)
+                _put_part(c1, out_tile + HALF, rows_left, cols_left - HALF, stride_om, BLOCK_M, HALF)
+        else:  # into slot me of the owner's receive buffer, then its flag
+            _put_part(c0, parts + base, rows_left, cols_left, N, BLOCK_M, HALF)
+            _put_part(c1, parts + base + HALF, rows_left, cols_left - HALF, N, BLOCK_M, HALF)
             tcl.signal(flags_ptr + me * flag_stride + t, epoch, owner_pe, tcl.SIGNAL_SET)
 
 
@@ -102,6 +157,8 @@ def _check(what, a, b, group, workspace):
     (M, K), N, W = a.shape, b.shape[1], team.size
     if M % W:
         raise ValueError(f"{what}: a has {M} rows; M must be a multiple of the group size ({W})")
+    if N >= 1 << 23:  # in-tile offsets are int32: BLOCK_M * N < 2**31
+        raise ValueError(f"{what}: b has {N} columns; at most {(1 << 23) - 1} are supported")
     if workspace is not None:
         if not isinstance(workspace, GemmRsWorkspace) or workspace.team.ranks != team.ranks:
             raise ValueError(f"{what}: workspace must be a GemmRsWorkspace made for this group, got {workspace!r}")

@@ -235,6 +235,12 @@ def tile_product_acc(a_desc, a_g, off_m, b_desc, b_g, off_n, K, BLOCK_M: tl.cons
 
 
 @tilecomm.jit
+def split_cols(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(left, right): the column halves [BLOCK_M, BLOCK_N // 2] of x [BLOCK_M, BLOCK_N]."""
+    return tl.split(x.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+
+
+@tilecomm.jit
 def store_tile(c_desc, c_g, c_ptr, stride_cm, rows, N, acc, off_m, off_n, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr):
     """Store acc (fp32) at rows off_m.., columns off_n.. of group c_g, in C's dtype. C_TMA: through c_desc
@@ -242,8 +248,7 @@ def store_tile(c_desc, c_g, c_ptr, stride_cm, rows, N, acc, off_m, off_n, BLOCK_
     dtype = c_ptr.dtype.element_ty
     if C_TMA:
         if EPILOGUE_SPLIT == 2:
-            halves = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1)
-            c0, c1 = tl.split(halves)
+            c0, c1 = split_cols(acc, BLOCK_M, BLOCK_N)
             c_desc.store([c_g, off_m, off_n], c0.to(dtype).reshape(1, BLOCK_M, BLOCK_N // 2))
             c_desc.store([c_g, off_m, off_n + BLOCK_N // 2], c1.to(dtype).reshape(1, BLOCK_M, BLOCK_N // 2))
         else:
