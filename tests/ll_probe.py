@@ -1,0 +1,75 @@
+"""Low-latency dispatch/combine tuning sweep (one GPU, world 1): 128 x 7168 bf16, top-8 of 256 experts.
+
+    python tests/ll_probe.py
+
+For each LowLatencyConfig: µs per call back to back, and each kernel's device time (torch.profiler),
+results checked against the default config's. Not a test (no assertions beyond equality)."""
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tilecomm
+from tilecomm.dispatch import Dispatcher
+from tilecomm.dispatch import low_latency as ll
+
+CONFIGS = [dict(), dict(col_programs=4), dict(col_programs=2), dict(col_programs=1),
+           dict(block_rows=8), dict(block_rows=8, col_programs=4), dict(num_warps=8), dict(num_warps=8, block_rows=8),
+           dict(block_h=2048, col_programs=4), dict(block_h=512, col_programs=14, block_rows=4)]
+
+
+def per_call(fn, n=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def kernels(fn, n=20):
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key.strip("_")[:12]: round(e.device_time_total / n, 1) for e in p.key_averages() if e.device_time_total > 0}
+
+
+def main():
+    tilecomm.init(backend="cuda", heap_bytes=4 << 30)
+    T, H, E, K = 128, 7168, 256, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), dim=1)
+    default = ll.LowLatencyConfig.for_device
+    want = None
+    for over in CONFIGS:
+        base = default(torch.device("cuda"), H)
+        cfg = ll.LowLatencyConfig(**{**base.__dict__, **over})
+        ll.LowLatencyConfig.for_device = staticmethod(lambda device, hidden, cfg=cfg: cfg)
+        try:
+            d = Dispatcher(E, H, T, K, torch.bfloat16, mode="low_latency")
+            with torch.no_grad():
+                res = d.dispatch(x, idx, w)
+                out = d.combine(res.x, res.handle)
+                got = (res.tokens_per_expert.clone(), out.clone())  # combine's result depends on every row
+                want = got if want is None else want
+                same = all(torch.equal(a, b) for a, b in zip(got, want))
+                disp = per_call(lambda: d.dispatch(x, idx, w))
+                comb = per_call(lambda: d.combine(res.x, res.handle))
+                kd = kernels(lambda: d.dispatch(x, idx, w))
+                kc = kernels(lambda: d.combine(res.x, res.handle))
+            print(f"{str(over):55s} dispatch {disp:6.1f} µs {kd}  combine {comb:6.1f} µs {kc}  same={same}", flush=True)
+            d.free()
+        except Exception as err:  # keep sweeping
+            print(f"{str(over):55s} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
+        finally:
+            ll.LowLatencyConfig.for_device = default
+    tilecomm.finalize()
+
+
+if __name__ == "__main__":
+    main()
