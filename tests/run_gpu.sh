@@ -11,6 +11,7 @@
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only)      -> $OUT/tests.log
 #   bench  every tilecomm.bench op against NCCL (needs 2+ GPUs)             -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
+#   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
 set -uo pipefail
 PHASES="${*:-gemm tests bench train}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
@@ -31,6 +32,11 @@ if has probe; then  # diagnostics, not benchmarks: host time per stage, the slow
     | sed -u "s/.*named symbol not found//" | tee "$OUT/gemm_probe.log" | tail -40
 fi
 
+if has moe; then
+  timeout "${MOE_TIMEOUT:-420}" python3 -m tilecomm.bench moe_layer --json "$OUT/moe_layer.json" 2>&1 \
+    | grep -v "named symbol not found" | tee "$OUT/moe_layer.log"
+fi
+
 if has gemm; then
   timeout "${GEMM_TIMEOUT:-420}" torchrun --standalone --nproc-per-node 1 -m tilecomm.bench.gemm ${GEMM_ARGS:---sweep} \
     --json "$OUT/gemm.json" 2>&1 | sed -u "s/.*named symbol not found//" | tee "$OUT/gemm.log" | grep -vE "^  sweep"
@@ -42,7 +48,7 @@ if has tests; then
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout "${TEST_TIMEOUT:-400}" \
       python3 -m pytest -q -x -p no:cacheprovider ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
-      tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py} 2>&1 | tee -a "$OUT/tests.log" | tail -15
+      tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py} 2>&1 | tee -a "$OUT/tests.log" | tail -15
   done
 fi
 

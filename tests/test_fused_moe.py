@@ -39,7 +39,8 @@ def _inputs(case, rank: int, world: int):
     w_gate_up = torch.randn(E // world, H, 2 * F, generator=wgen, dtype=torch.float64) * 0.3
     w_down = torch.randn(E // world, F, H, generator=wgen, dtype=torch.float64) * 0.3
     grad_out = torch.randn(T, H, generator=gen, dtype=torch.float64)
-    return [x, w, w_gate_up, w_down], _routing(kind, T, E, K, gen), grad_out
+    dev = tilecomm.current().device  # CPU ranks, or GPU ranks (TILECOMM_TEST_BACKEND=cuda)
+    return [t.to(dev) for t in (x, w, w_gate_up, w_down)], _routing(kind, T, E, K, gen).to(dev), grad_out.to(dev)
 
 
 def _run(op, leaves, idx, grad_out, comm):
@@ -73,7 +74,8 @@ def layer_body(E, K):
     rank = tilecomm.rank()
     c = MoEConfig(hidden=H, ffn_hidden=F, num_experts=E, topk=K, num_shared_experts=1, seed=5, init_std=0.3,
                   dtype=torch.float64, max_tokens_per_rank=M, router=dict(aux_loss_coeff=1e-2))
-    x = torch.randn(2, 4 + rank, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    x = torch.randn(2, 4 + rank, H, generator=torch.Generator().manual_seed(rank), dtype=torch.float64).to(
+        tilecomm.current().device)
     results = []
     for kind in ("tilecomm", "fused"):
         first = make_dispatcher(c, kind)
@@ -99,13 +101,13 @@ def bad_inputs_body():
     with pytest.raises(TypeError, match="dtype"):
         fused_moe(x.float(), idx, w, w_gate_up, w_down, ws)
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        fused_moe(torch.zeros(M + 1, H, dtype=torch.float64), torch.zeros(M + 1, K).long(), torch.zeros(M + 1, K),
-                  w_gate_up, w_down, ws)
+        fused_moe(x.new_zeros(M + 1, H), idx.new_zeros(M + 1, K), w.new_zeros(M + 1, K), w_gate_up, w_down, ws)
     with pytest.raises(ValueError, match="topk_idx values"):  # found on the device: raised after the call
         fused_moe(x, idx.clamp(max=0) - 2, w, w_gate_up, w_down, ws)
+    d = Dispatcher(E, H, M, K, torch.float64)
     torch.testing.assert_close(fused_moe(x, idx, w, w_gate_up, w_down, ws),  # the workspace still works
-                               fused_moe_reference(x, idx, w, w_gate_up, w_down, Dispatcher(E, H, M, K, torch.float64,
-                                                                                            backend="nccl")), **TOL)
+                               fused_moe_reference(x, idx, w, w_gate_up, w_down, d), **TOL)
+    d.free()
     ws.free()
 
 
