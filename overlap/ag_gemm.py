@@ -28,9 +28,10 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm.jit import CachedLaunch
 
 from .team import OpWorkspace, release, team_of
-from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, matmul, num_programs, prepare_tma, proxy_fence,
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
@@ -99,6 +100,11 @@ def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me,
                    pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
 
 
+# The kernels' launchers (compiled kernels by config and dtype; module-level like Triton's own kernel cache).
+_PUSH = CachedLaunch(_push_kernel)
+_GEMM = CachedLaunch(_gemm_kernel)
+
+
 def _check(what: str, a_shard, b, group, workspace):
     team = team_of(group, what)
     check_operands(what, a_shard, b, "a_shard", "b")
@@ -149,23 +155,18 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     bt, b_trans = tma_operand(b, allow_trans=True)
     C_TMA = c.stride(0) * c.element_size() % 16 == 0
 
-    def gemm(cfg):
-        tiles = W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-        _gemm_kernel[(num_programs(tiles, a.device),)](
-            a, g, bt, c, ws.flags, epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
-            bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype), **cfg.launch())
-
-    prepare_tma()
     cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
     if W > 1:  # (a launch with no programs is skipped)
         tiles_m = triton.cdiv(m, cfg.BLOCK_M)
         if ws.stream is not None:
             ws.stream.wait_stream(torch.cuda.current_stream(a.device))
         with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
-            _push_kernel[(W - 1, min(tiles_m, _PUSH_PROGRAMS))](
-                a_shard, g, ws.flags, ws.consumed, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me,
-                W, BLOCK_M=cfg.BLOCK_M)
-    gemm(cfg)
+            _PUSH.launch((W - 1, min(tiles_m, _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g, ws.flags,
+                         ws.consumed, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
+                         BLOCK_M=cfg.BLOCK_M)
+    launch_gemm(_GEMM, W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a.dtype,
+                a, g, bt, c, ws.flags, epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
+                bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype))
     if W > 1 and ws.stream is not None:
         torch.cuda.current_stream(a.device).wait_stream(ws.stream)
         a_shard.record_stream(ws.stream)

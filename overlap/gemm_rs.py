@@ -28,10 +28,11 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm.jit import CachedLaunch
 
 from .team import OpWorkspace, release, team_of
-from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, matmul, num_programs, prepare_tma,
-                    proxy_fence, resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
+                    resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
 
@@ -148,6 +149,9 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
             tcl.signal(flags_ptr + me * flag_stride + t, epoch, owner_pe, tcl.SIGNAL_SET)
 
 
+_GEMM_RS = CachedLaunch(_gemm_rs_kernel)  # compiled kernels by config and dtype (module-level, like Triton's cache)
+
+
 def _check(what, a, b, group, workspace):
     team = team_of(group, what)
     check_operands(what, a, b)
@@ -196,18 +200,18 @@ def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
     mb = M // W
     a_t, _ = tma_operand(a)
     bt, b_trans = tma_operand(b, allow_trans=True)
-    prepare_tma()
     cfg = resolve_config(config, mb, N, a.dtype, a.device, lambda cfg: matmul(a_t[:mb], b, cfg))
     per_owner = triton.cdiv(mb, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
     flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK)
     # GPUs: one launch over every tile; CPU ranks: peer tiles, then own tiles (see the module docstring)
     ranges = [(0, W * per_owner)] if a.is_cuda else [(0, (W - 1) * per_owner), ((W - 1) * per_owner, W * per_owner)]
+    recv = ws.recv
     for begin, end in ranges:
         if end > begin:
-            _gemm_rs_kernel[(num_programs(end - begin, a.device),)](
-                a_t, bt, out, ws.recv, ws.flags, ws.consumed, team.pes, epoch, mb, N, K, me, W, begin, end,
-                a_t.stride(0), bt.stride(0), out.stride(0), ws.recv.stride(0), flag_stride, B_TRANS=b_trans,
-                C_TMA=out.stride(0) * out.element_size() % 16 == 0, PRECISION=dot_precision(a.dtype), **cfg.launch())
+            launch_gemm(_GEMM_RS, end - begin, cfg, a.dtype, a_t, bt, out, recv, ws.flags, ws.consumed, team.pes, epoch,
+                        mb, N, K, me, W, begin, end, a_t.stride(0), bt.stride(0), out.stride(0), recv.stride(0),
+                        flag_stride, B_TRANS=b_trans, C_TMA=out.stride(0) * out.element_size() % 16 == 0,
+                        PRECISION=dot_precision(a.dtype))
 
 
 def gemm_rs_reference(a: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 import tilecomm
+from tilecomm.jit import CachedLaunch
 
-from .tiles import (GemmConfig, b_desc3, c_desc3, desc3, dot_precision, num_programs, prepare_tma, resolve_config, store_tile,
+from .tiles import (GemmConfig, b_desc3, c_desc3, desc3, dot_precision, launch_gemm, resolve_config, store_tile,
                     tile_position, tile_product, tma_operand)
 
 _WGRAD = {"gpu": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "cpu": GemmConfig(16, 16, 16, 1, 1, 1, 1, False)}
@@ -107,6 +108,11 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
 
 
+# The kernels' launchers (compiled kernels by config and dtype; module-level like Triton's own kernel cache).
+_ROWS = CachedLaunch(_rows_kernel)
+_WGRAD_LAUNCH = CachedLaunch(_wgrad_kernel)
+
+
 def _check(x, w, offs, check_offs: bool) -> None:
     what = "tilecomm.overlap.grouped_mm"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -158,11 +164,9 @@ def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
 def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
     (R, K), E, N = x.shape, w.shape[0], y.shape[1]
     tiles = (triton.cdiv(R, cfg.BLOCK_M) + E + 1) * triton.cdiv(N, cfg.BLOCK_N)
-    prepare_tma()
-    _rows_kernel[(num_programs(tiles, x.device),)](
-        x, w, y, offs, R, K, N, E, x.stride(0), w.stride(0), w.stride(1), y.stride(0), B_TRANS=trans,
-        C_TMA=y.stride(0) * y.element_size() % 16 == 0, PRECISION=dot_precision(x.dtype),
-        E_PAD=triton.next_power_of_2(E + 1), **cfg.launch())
+    launch_gemm(_ROWS, tiles, cfg, x.dtype, x, w, y, offs, R, K, N, E, x.stride(0), w.stride(0), w.stride(1),
+                y.stride(0), B_TRANS=trans, C_TMA=y.stride(0) * y.element_size() % 16 == 0,
+                PRECISION=dot_precision(x.dtype), E_PAD=triton.next_power_of_2(E + 1))
 
 
 def _wgrad(x, dy, offs, E: int, config) -> torch.Tensor:
@@ -175,11 +179,9 @@ def _wgrad(x, dy, offs, E: int, config) -> torch.Tensor:
     dy_t, _ = tma_operand(dy.contiguous())
     cfg = config if isinstance(config, GemmConfig) else _WGRAD["gpu" if x.is_cuda else "cpu"]
     tiles = E * triton.cdiv(K, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    prepare_tma()
-    _wgrad_kernel[(num_programs(tiles, x.device),)](
-        x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0), dy_t.stride(0), dw.stride(0), dw.stride(1),
-        C_TMA=dw.stride(1) * dw.element_size() % 16 == 0, PRECISION=dot_precision(x.dtype),
-        ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **cfg.launch())
+    launch_gemm(_WGRAD_LAUNCH, tiles, cfg, x.dtype, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0), dy_t.stride(0),
+                dw.stride(0), dw.stride(1), C_TMA=dw.stride(1) * dw.element_size() % 16 == 0,
+                PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32)
     return dw
 
 

@@ -29,6 +29,7 @@ import tilecomm.language as tcl
 
 from tilecomm.errors import PeerMismatchError
 from tilecomm.heap import NamedViews
+from tilecomm.jit import CachedLaunch
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ def _release_kernel(consumed_ptr, pes_ptr, epoch, me, W):
         tcl.signal(consumed_ptr + me, epoch, tl.load(pes_ptr + i), tcl.SIGNAL_SET)
 
 
+_RELEASE = CachedLaunch(_release_kernel)  # its compiled kernel (module-level, like Triton's own kernel cache)
+
+
 def release(ws: OpWorkspace, team: Team) -> None:
     """Tell every member that this rank has finished the call on `ws` (its `consumed` words)."""
-    _release_kernel[(1,)](ws.consumed, team.pes, ws.epoch, team.index, team.size)
+    _RELEASE.launch((1,), None, ws.consumed, team.pes, ws.epoch, team.index, team.size)

@@ -1,49 +1,222 @@
-"""Diagnostics for the slow cases of the first GPU run (BENCHMARKS.md, GEMM section), one GPU:
+"""GPU diagnostic of tilecomm's GEMM launches (not a test: no assertions), one GPU:
 
-    torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py
+    torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py      (bash tests/run_gpu.sh probe)
 
-matmul 1000^3 before/after tilecomm.init, then matmul / gemm_rs / ag_gemm at 8192x4096x3584 and
-8192x8192x7168: wall time per call, the CUDA kernels of one call (torch.profiler), compiled variants,
-do_bench, registers/spills. Not a test (no assertions)."""
-import time, torch, triton, triton.testing
-import tilecomm
-from tilecomm.overlap import AgGemmWorkspace, GemmRsWorkspace, ag_gemm, gemm_rs, matmul
-from tilecomm.overlap import gemm_rs as _  # noqa
+For each shape (M x K x N, bf16) and op (overlap.matmul, ag_gemm and gemm_rs at world size 1 with workspaces
+made up front, grouped_mm forward) beside cuBLAS `a @ b` (torch._grouped_mm) on the same tensors, one line:
+
+    host   µs per call of 20 calls back to back without waiting (the Python + launch cost)
+    wall   µs per call of the same 20 calls plus one synchronize (what a caller sees)
+    kernel µs of one call's CUDA kernels (torch.profiler, mean of 3 calls), with the kernels' names
+    bench  triton.testing.do_bench median (L2 flushed)
+    first  µs of the first call (compiles), second: of the next one (should be near `wall`)
+
+then every compiled variant of every GEMM kernel (registers, spilled registers = local bytes / 4, shared
+memory, warps), the CachedLaunch entries per kernel (a count that grows with calls means an unstable key),
+and a summary table. Cases run in order of importance within PROBE_BUDGET_S seconds (default 240;
+run_gpu.sh gives the probe GEMM_PROBE_TIMEOUT, default 300); a
+case that fails prints its error and the rest go on.
+"""
 import importlib
-rsmod = importlib.import_module("tilecomm.overlap.gemm_rs")
+import math
+import os
+import time
+import traceback
+
+import torch
+import triton
+import triton.testing
+from torch.profiler import ProfilerActivity, profile
+
+import tilecomm
+from tilecomm.jit import CachedLaunch
+from tilecomm.overlap import AgGemmWorkspace, GemmRsWorkspace, ag_gemm, gemm_rs, grouped_mm, matmul
+
+tiles = importlib.import_module("tilecomm.overlap.tiles")
 agmod = importlib.import_module("tilecomm.overlap.ag_gemm")
-from torch.profiler import profile, ProfilerActivity
+rsmod = importlib.import_module("tilecomm.overlap.gemm_rs")
+grmod = importlib.import_module("tilecomm.overlap.grouped")
+team = importlib.import_module("tilecomm.overlap.team")
 
-def prof(label, fn):
-    fn(); torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
-        fn(); torch.cuda.synchronize()
-    ev = [(e.key, e.device_time_total) for e in p.key_averages() if e.device_time_total > 0]
-    print(label, "kernels:", [(n[:40], round(t, 1)) for n, t in ev][:8], flush=True)
+START, BUDGET = time.perf_counter(), float(os.environ.get("PROBE_BUDGET_S", "240"))
+DT = torch.bfloat16
+SUMMARY = []
 
-def wall(label, fn, n=5):
-    fn(); torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n): fn()
+
+def out(*parts):
+    print(*parts, flush=True)
+
+
+def host_wall(fn, n: int):
+    """(host µs, wall µs) per call of n calls back to back."""
     torch.cuda.synchronize()
-    print(label, "wall us/call", round((time.perf_counter() - t) / n * 1e6, 1), flush=True)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
 
-a = torch.randn(1000, 1000, device="cuda", dtype=torch.bfloat16); b = torch.randn(1000, 1000, device="cuda", dtype=torch.bfloat16)
-prof("matmul1000 pre-init", lambda: matmul(a, b)); wall("matmul1000 pre-init", lambda: matmul(a, b))
-tilecomm.init(backend="cuda", heap_bytes=3 << 30)
-print("heap", tilecomm.current().heap.bytes_free() if hasattr(tilecomm.current().heap, "bytes_free") else "?", torch.cuda.mem_get_info(), flush=True)
-prof("matmul1000 post-init", lambda: matmul(a, b))
-for M, K, N in [(8192, 4096, 3584), (8192, 8192, 7168)]:
-    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16); b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-    ws1 = GemmRsWorkspace(N, torch.bfloat16, M); ws2 = AgGemmWorkspace(K, torch.bfloat16, M)
-    print(M, K, N, "mem", torch.cuda.mem_get_info(), flush=True)
-    for name, fn in [("matmul", lambda: matmul(a, b)), ("gemm_rs", lambda: gemm_rs(a, b, workspace=ws1)),
-                     ("ag_gemm", lambda: ag_gemm(a, b, workspace=ws2))]:
-        wall(f"{name} {M}x{K}x{N}", fn, 3)
-        prof(f"{name} {M}x{K}x{N}", fn)
-    print("rs variants", len(rsmod._gemm_rs_kernel.device_caches[0][0]), "ag variants", len(agmod._gemm_kernel.device_caches[0][0]), flush=True)
-    for name, fn in [("gemm_rs", lambda: gemm_rs(a, b, workspace=ws1)), ("ag_gemm", lambda: ag_gemm(a, b, workspace=ws2))]:
-        print(name, "do_bench", round(triton.testing.do_bench(fn, warmup=5, rep=30) * 1e3, 1), flush=True)
-    for k in list(rsmod._gemm_rs_kernel.device_caches[0][0].values())[:1] + list(agmod._gemm_kernel.device_caches[0][0].values())[:1]:
-        k._init_handles(); print("n_regs", k.n_regs, "spills", k.n_spills, "smem", k.metadata.shared, flush=True)
-    ws1.free(); ws2.free()
+
+def kernels(fn, calls: int = 3):
+    """(total kernel µs per call, [(name, µs per call)]) from torch.profiler."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ev = [(e.key, e.device_time_total / calls) for e in p.key_averages() if e.device_time_total > 0]
+    return sum(t for _, t in ev), sorted(ev, key=lambda e: -e[1])
+
+
+def timed_once(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e6
+
+
+def measure(label: str, fn, flops: float, ref=None) -> None:
+    """One op on one shape: every figure of the module docstring, printed and added to the summary."""
+    first = timed_once(fn)
+    second = timed_once(fn)
+    err = float("nan")
+    if ref is not None:
+        got = fn().float()
+        err = ((got - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+    n = 20 if second < 20000 else 3  # a pathological call (tens of ms) gets few repetitions
+    host, wall = host_wall(fn, n)
+    kern, names = kernels(fn, 3 if second < 20000 else 1)
+    bench = triton.testing.do_bench(fn, warmup=5, rep=30) * 1e3 if second < 20000 else float("nan")
+    out(f"{label:<34} host {host:8.1f}  wall {wall:8.1f}  kernel {kern:8.1f}  bench {bench:8.1f}  "
+        f"first {first:10.1f}  second {second:9.1f}  TFLOP/s(bench) {flops / bench / 1e6 if bench == bench else 0:5.0f}"
+        f"  err {err:.1e}")
+    out(f"{'':<34} kernels: " + ", ".join(f"{k[:48]} {t:.1f}" for k, t in names[:6]))
+    SUMMARY.append((label, host, wall, kern, bench))
+
+
+def case(label: str, body, always: bool = False) -> None:
+    """Run one case unless the time budget is spent; a failure prints its error and the probe goes on."""
+    if not always and time.perf_counter() - START > BUDGET:
+        out(f"{label}: skipped (PROBE_BUDGET_S={BUDGET:.0f} s spent)")
+        return
+    try:
+        body()
+    except Exception as exc:  # a diagnostic: report and continue
+        out(f"{label}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        out("".join(traceback.format_exc().splitlines(True)[-6:]))
+    torch.cuda.synchronize()
+
+
+def operands(M: int, K: int, N: int):
+    g = torch.Generator(device="cuda").manual_seed(M + K + N)
+    return (torch.randn(M, K, device="cuda", dtype=DT, generator=g),
+            torch.randn(K, N, device="cuda", dtype=DT, generator=g) / math.sqrt(K))
+
+
+def gemm_shape(M: int, K: int, N: int, ops=("matmul", "gemm_rs", "ag_gemm")) -> None:
+    """cuBLAS and tilecomm's ops on one M x K x N product (ag_gemm / gemm_rs at world 1: the whole product)."""
+    a, b = operands(M, K, N)
+    ref = a @ b
+    flops = 2.0 * M * N * K
+    shape = f"{M}x{K}x{N}"
+    case(f"cublas {shape}", lambda: measure(f"cublas   {shape}", lambda: a @ b, flops))
+    if "matmul" in ops:
+        case(f"matmul {shape}", lambda: measure(f"matmul   {shape}", lambda: matmul(a, b), flops, ref))
+    if "gemm_rs" in ops:
+        def rs():
+            ws = GemmRsWorkspace(N, DT, M)
+            try:
+                measure(f"gemm_rs  {shape}", lambda: gemm_rs(a, b, workspace=ws), flops, ref)
+            finally:
+                ws.free()
+        case(f"gemm_rs {shape}", rs)
+    if "ag_gemm" in ops:
+        def ag():
+            ws = AgGemmWorkspace(K, DT, M)
+            try:
+                measure(f"ag_gemm  {shape}", lambda: ag_gemm(a, b, workspace=ws), flops, ref)
+            finally:
+                ws.free()
+        case(f"ag_gemm {shape}", ag)
+
+
+def launch_paths() -> None:
+    """matmul 1000^3 host time through CachedLaunch (default) and through Triton's ordinary launch."""
+    a, b = operands(1000, 1000, 1000)
+    matmul(a, b)
+    on = host_wall(lambda: matmul(a, b), 50)
+    CachedLaunch.enabled = False
+    try:
+        off = host_wall(lambda: matmul(a, b), 50)
+    finally:
+        CachedLaunch.enabled = True
+    e = torch.empty(1000, 1000, device="cuda", dtype=DT)
+    floor = host_wall(lambda: torch.empty(1000, 1000, device="cuda", dtype=DT).copy_(e), 50)
+    out(f"matmul 1000^3 host/wall µs per call: CachedLaunch {on[0]:.1f}/{on[1]:.1f}, Triton's launch path "
+        f"{off[0]:.1f}/{off[1]:.1f}; floor (torch.empty + copy_) {floor[0]:.1f}/{floor[1]:.1f}")
+
+
+def grouped() -> None:
+    """grouped_mm forward (check_offs=False: no host sync) on the 64-expert layer's gate_up, vs torch."""
+    E, H, F, R = 64, 1536, 768, 32768
+    offs = torch.bincount(torch.randint(E, (R,)), minlength=E).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(R, H, device="cuda", dtype=DT)
+    w = torch.randn(E, H, 2 * F, device="cuda", dtype=DT) / math.sqrt(H)
+    flops = 2.0 * R * H * 2 * F
+    shape = f"{E}x{H}x{2 * F} R={R}"
+    ref = torch._grouped_mm(x, w, offs=offs)
+    case("torch grouped", lambda: measure(f"torch._grouped_mm {shape}", lambda: torch._grouped_mm(x, w, offs=offs), flops))
+    case("grouped_mm", lambda: measure(f"grouped_mm {shape}", lambda: grouped_mm(x, w, offs, check_offs=False),
+                                       flops, ref))
+
+
+def variants() -> None:
+    """Every compiled variant of the GEMM kernels: registers, spills, shared memory."""
+    out("compiled variants (spills = local memory bytes / 4, incl. any callee stack; want 0 for the GEMMs):")
+    for mod, name in ((tiles, "_matmul_kernel"), (agmod, "_gemm_kernel"), (agmod, "_push_kernel"),
+                      (rsmod, "_gemm_rs_kernel"), (team, "_release_kernel"), (grmod, "_rows_kernel"),
+                      (grmod, "_wgrad_kernel")):
+        fn = getattr(mod, name)
+        for dev, cache in fn.device_caches.items():
+            for ck in list(cache[0].values()):
+                try:
+                    ck._init_handles()
+                    src = getattr(ck, "src", None)
+                    consts = {fn.arg_names[k[0]]: v for k, v in getattr(src, "constants", {}).items()
+                              if k and fn.arg_names[k[0]].isupper()}
+                    out(f"  {name:<16} regs {ck.n_regs:3d} spills {ck.n_spills:4d} smem {ck.metadata.shared:6d} "
+                        f"warps {ck.metadata.num_warps} stages {ck.metadata.num_stages} {consts}")
+                except Exception as exc:  # noqa: BLE001
+                    out(f"  {name}: (could not read: {type(exc).__name__}: {exc})")
+    for mod, name in ((tiles, "_MATMUL"), (agmod, "_GEMM"), (agmod, "_PUSH"), (rsmod, "_GEMM_RS"), (team, "_RELEASE"),
+                      (grmod, "_ROWS"), (grmod, "_WGRAD_LAUNCH")):
+        launcher = getattr(mod, name, None)
+        if launcher is not None:
+            out(f"  CachedLaunch {name}: {len(launcher.kernels)} entries")
+
+
+def main() -> None:
+    out(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    a, b = operands(1000, 1000, 1000)
+    case("matmul 1000^3 pre-init", lambda: measure("matmul   1000^3 before init", lambda: matmul(a, b), 2e9))
+    tilecomm.init(backend="cuda", heap_bytes=3 << 30)
+    out(f"tilecomm.init: world {tilecomm.world_size()}, GPU memory free/total {torch.cuda.mem_get_info()}")
+    case("launch paths", launch_paths)
+    gemm_shape(1000, 1000, 1000)
+    gemm_shape(8192, 4096, 3584)
+    gemm_shape(8192, 8192, 7168)
+    gemm_shape(8000, 4000, 3500)  # not multiples of the block; N = 3500: unaligned rows (padded copy of b)
+    case("grouped", grouped)
+    case("variants", variants, always=True)
+    out("\nsummary (µs per call; kernel = GPU time of the call's kernels, host = Python + launch):")
+    out(f"{'case':<40} {'host':>8} {'wall':>8} {'kernel':>8} {'bench':>8}")
+    for label, host, wall, kern, bench in SUMMARY:
+        out(f"{label:<40} {host:8.1f} {wall:8.1f} {kern:8.1f} {bench:8.1f}")
+    out(f"probe took {time.perf_counter() - START:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

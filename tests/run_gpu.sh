@@ -28,7 +28,7 @@ fi
 
 if has probe; then  # diagnostics, not benchmarks: host time per stage, the slow GEMM shapes' kernels
   timeout "${PROBE_TIMEOUT:-150}" python3 tests/host_probe.py 2>&1 | sed -u "s/.*named symbol not found//" | tee "$OUT/host_probe.log"
-  timeout "${PROBE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py 2>&1 \
+  timeout "${GEMM_PROBE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/gemm_probe.log" | tail -40
 fi
 
