@@ -7,19 +7,26 @@ made up front, grouped_mm forward) beside cuBLAS `a @ b` (torch._grouped_mm) on 
 
     host   µs per call of 20 calls back to back without waiting (the Python + launch cost)
     wall   µs per call of the same 20 calls plus one synchronize (what a caller sees)
-    kernel µs of one call's CUDA kernels (torch.profiler, mean of 3 calls), with the kernels' names
+    kernel µs of one call's CUDA kernels (torch.profiler, mean of 3 calls), with the kernels' names and their
+           launch facts from the profiler trace (grid, registers, shared memory, blocks/SM, occupancy)
     bench  triton.testing.do_bench median (L2 flushed)
     first  µs of the first call (compiles), second: of the next one (should be near `wall`)
 
 then every compiled variant of every GEMM kernel (registers, spilled registers = local bytes / 4, shared
 memory, warps), the CachedLaunch entries per kernel (a count that grows with calls means an unstable key),
-and a summary table. Cases run in order of importance within PROBE_BUDGET_S seconds (default 240;
-run_gpu.sh gives the probe GEMM_PROBE_TIMEOUT, default 300); a
-case that fails prints its error and the rest go on.
+and a summary table. Cases run in order of importance within PROBE_BUDGET_S seconds (default 240; run_gpu.sh
+gives the probe GEMM_PROBE_TIMEOUT, default 300); a case that fails prints its error and the rest go on.
+
+Reading it: host should be a few tens of µs for every tilecomm op (Triton's own launch path: ~100+ µs, see the
+"launch paths" line); host close to wall on a large GEMM means the call waits for the GPU (a host sync);
+kernel far above cuBLAS's with a small grid or low occupancy in the launch facts means too few programs ran
+at once; first >> second is compilation; second >> wall is a one-off cost after the first call.
 """
 import importlib
+import json
 import math
 import os
+import tempfile
 import time
 import traceback
 
@@ -60,14 +67,29 @@ def host_wall(fn, n: int):
 
 
 def kernels(fn, calls: int = 3):
-    """(total kernel µs per call, [(name, µs per call)]) from torch.profiler."""
+    """(total kernel µs per call, [(name, µs per call)], {name: launch facts}) from torch.profiler; the facts
+    (grid, registers per thread, shared memory, blocks per SM, occupancy) come from its chrome trace."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     ev = [(e.key, e.device_time_total / calls) for e in p.key_averages() if e.device_time_total > 0]
-    return sum(t for _, t in ev), sorted(ev, key=lambda e: -e[1])
+    facts = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            p.export_chrome_trace(os.path.join(tmp, "trace.json"))
+            with open(os.path.join(tmp, "trace.json")) as f:
+                trace = json.load(f)
+        for e in trace.get("traceEvents", []):
+            a = e.get("args", {})
+            if e.get("cat") == "kernel" and e.get("name") not in facts:
+                facts[e.get("name")] = (f"grid {a.get('grid')} block {a.get('block')} regs {a.get('registers per thread')} "
+                                        f"smem {a.get('shared memory')} blocks/SM {a.get('blocks per SM')} "
+                                        f"occupancy {a.get('est. achieved occupancy %')}%")
+    except Exception as exc:  # noqa: BLE001 (the facts are extra)
+        facts["?"] = f"(no trace facts: {type(exc).__name__})"
+    return sum(t for _, t in ev), sorted(ev, key=lambda e: -e[1]), facts
 
 
 def timed_once(fn) -> float:
@@ -88,12 +110,14 @@ def measure(label: str, fn, flops: float, ref=None) -> None:
         err = ((got - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
     n = 20 if second < 20000 else 3  # a pathological call (tens of ms) gets few repetitions
     host, wall = host_wall(fn, n)
-    kern, names = kernels(fn, 3 if second < 20000 else 1)
+    kern, names, facts = kernels(fn, 3 if second < 20000 else 1)
     bench = triton.testing.do_bench(fn, warmup=5, rep=30) * 1e3 if second < 20000 else float("nan")
     out(f"{label:<34} host {host:8.1f}  wall {wall:8.1f}  kernel {kern:8.1f}  bench {bench:8.1f}  "
         f"first {first:10.1f}  second {second:9.1f}  TFLOP/s(bench) {flops / bench / 1e6 if bench == bench else 0:5.0f}"
         f"  err {err:.1e}")
     out(f"{'':<34} kernels: " + ", ".join(f"{k[:48]} {t:.1f}" for k, t in names[:6]))
+    for name, fact in list(facts.items())[:4]:
+        out(f"{'':<38}{name[:40]}: {fact}")
     SUMMARY.append((label, host, wall, kern, bench))
 
 
@@ -116,31 +140,27 @@ def operands(M: int, K: int, N: int):
             torch.randn(K, N, device="cuda", dtype=DT, generator=g) / math.sqrt(K))
 
 
-def gemm_shape(M: int, K: int, N: int, ops=("matmul", "gemm_rs", "ag_gemm")) -> None:
+def fused(op, make_workspace, label: str, a, b, flops: float, ref) -> None:
+    """ag_gemm or gemm_rs (op) at world size 1 with a workspace made up front and freed after."""
+    ws = make_workspace()
+    try:
+        measure(label, lambda: op(a, b, workspace=ws), flops, ref)
+    finally:
+        ws.free()
+
+
+def gemm_shape(M: int, K: int, N: int) -> None:
     """cuBLAS and tilecomm's ops on one M x K x N product (ag_gemm / gemm_rs at world 1: the whole product)."""
     a, b = operands(M, K, N)
     ref = a @ b
     flops = 2.0 * M * N * K
     shape = f"{M}x{K}x{N}"
     case(f"cublas {shape}", lambda: measure(f"cublas   {shape}", lambda: a @ b, flops))
-    if "matmul" in ops:
-        case(f"matmul {shape}", lambda: measure(f"matmul   {shape}", lambda: matmul(a, b), flops, ref))
-    if "gemm_rs" in ops:
-        def rs():
-            ws = GemmRsWorkspace(N, DT, M)
-            try:
-                measure(f"gemm_rs  {shape}", lambda: gemm_rs(a, b, workspace=ws), flops, ref)
-            finally:
-                ws.free()
-        case(f"gemm_rs {shape}", rs)
-    if "ag_gemm" in ops:
-        def ag():
-            ws = AgGemmWorkspace(K, DT, M)
-            try:
-                measure(f"ag_gemm  {shape}", lambda: ag_gemm(a, b, workspace=ws), flops, ref)
-            finally:
-                ws.free()
-        case(f"ag_gemm {shape}", ag)
+    case(f"matmul {shape}", lambda: measure(f"matmul   {shape}", lambda: matmul(a, b), flops, ref))
+    case(f"gemm_rs {shape}", lambda: fused(gemm_rs, lambda: GemmRsWorkspace(N, DT, M), f"gemm_rs  {shape}", a, b,
+                                           flops, ref))
+    case(f"ag_gemm {shape}", lambda: fused(ag_gemm, lambda: AgGemmWorkspace(K, DT, M), f"ag_gemm  {shape}", a, b,
+                                           flops, ref))
 
 
 def launch_paths() -> None:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -83,6 +86,20 @@ CASES += gpu_compile_cases()  # the dispatch kernels (dispatch/compile_cases.py)
 CASES += moe_compile_cases()  # the fused MoE experts (overlap/moe_compile_cases.py)
 
 
+def _resources(cubin: bytes) -> dict:
+    """Registers per thread and local-memory bytes (ptxas's spills and stack frames: PTX without `.local` can
+    still spill) of the cubin, from `cuobjdump -res-usage`; None where Triton ships no cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    found = None
+    if os.path.exists(tool):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)",
+                              subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout)
+    return {"regs": int(found[1]) if found else None, "local_bytes": int(found[2]) + int(found[3]) if found else None}
+
+
 def main() -> None:
     _gpu.set_state_address(0x7F0000001000)
     libs = (("libnvshmem_device", _gpu.nvshmem_bitcode(arch=90)),)
@@ -99,7 +116,7 @@ def main() -> None:
             "release_sys_atomic": "sys.release" in ptx, "acquire_sys_atomic": "sys.acquire" in ptx,
             "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
             "state_addr_inlined": str(0x7F0000001000) in ptx, "wgmma": "wgmma" in ptx,
-            "local_memory": ".local" in ptx, "shared_bytes": kernel.metadata.shared,
+            "local_memory": ".local" in ptx, "shared_bytes": kernel.metadata.shared, **_resources(kernel.asm["cubin"]),
             "tma": "cp.async.bulk.tensor" in ptx, "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
         }))
 
