@@ -9,15 +9,18 @@ Rows (bf16; FLOPs = 2·M·N·K, µs = triton.testing.do_bench median, L2 flushed
 * grouped LAYER.proj.product: tilecomm.overlap.grouped_mm's three products (fwd y = x @ w[e],
   dx = dy @ w[e]^T, dw[e] = x_e^T @ dy_e) vs torch._grouped_mm's, for the gate_up ([R, H] x [E, H, 2F])
   and down ([R, F] x [E, F, H]) projections of three expert layers, rows routed uniformly at random.
-ratio = baseline µs / tilecomm µs (> 1: tilecomm faster). Every result is checked against the baseline
-first (relative Frobenius error < 2e-2). --sweep also times every tiles.CANDIDATES config on the matmul
-shapes (the data behind tiles._TABLE); --autotune runs the ops with a GemmTuner instead of the table.
+ratio = baseline µs / tilecomm µs (> 1: tilecomm faster); wall µs: 20 calls back to back and one synchronize,
+per call (the host cost do_bench hides). Every result is checked against the baseline first (relative
+Frobenius error < 2e-2); a failing row is printed as FAILED and the others still run. --sweep also times
+every tiles.CANDIDATES config on the matmul shapes (the data behind tiles._TABLE); --autotune runs the ops
+with a GemmTuner instead of the table.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import time
 
 import torch
 import triton
@@ -35,18 +38,40 @@ def _us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60) * 1e3
 
 
+def _wall_us(fn, calls: int = 20) -> float:
+    """µs per call of `calls` calls back to back and one synchronize (host cost included; do_bench hides it)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def _err(x, ref) -> float:
     ref = ref.float()
     return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _row(op, shape, flops, ours, base, baseline, err, extra=None) -> dict:
+def _row(op, shape, flops, fn, base_fn, baseline, err) -> dict:
+    """Time fn (tilecomm) and base_fn (the baseline) on the same tensors; print and return the row."""
+    ours, base = _us(fn), _us(base_fn)
+    wall, base_wall = _wall_us(fn), _wall_us(base_fn)
     row = {"op": op, "shape": shape, "us": ours, "baseline_us": base, "baseline": baseline,
-           "tflops": flops / ours / 1e6, "baseline_tflops": flops / base / 1e6, "ratio": base / ours, "rel_err": err}
-    row.update(extra or {})
+           "tflops": flops / ours / 1e6, "baseline_tflops": flops / base / 1e6, "ratio": base / ours, "rel_err": err,
+           "wall_us": wall, "baseline_wall_us": base_wall}
     print(f"{op:<26} {shape:<22} {ours:9.1f} {flops / ours / 1e6:7.0f} {base:9.1f} {flops / base / 1e6:7.0f} "
-          f"{base / ours:6.3f}  {baseline}", flush=True)
+          f"{base / ours:6.3f} {wall:9.1f} {base_wall:9.1f}  {baseline}", flush=True)
     return row
+
+
+def _guarded(rows: list, label: str, body) -> None:
+    """Append body()'s row; a failing row is printed and the benchmark goes on."""
+    try:
+        rows.append(body())
+    except Exception as exc:  # noqa: BLE001 (reported, not fatal: the other rows still run)
+        print(f"{label}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}", flush=True)
 
 
 def bench_matmul(dt, config) -> list:
@@ -55,12 +80,18 @@ def bench_matmul(dt, config) -> list:
     rows = []
     for M, N, K in MATMUL:
         a, b = torch.randn(M, K, device="cuda", dtype=dt), torch.randn(K, N, device="cuda", dtype=dt)
-        err = _err(matmul(a, b, config=config), a @ b)
-        if err > TOL:
-            raise SystemExit(f"matmul {M}x{N}x{K}: relative error {err:.3g}")
-        rows.append(_row("matmul", f"{M}x{N}x{K}", 2.0 * M * N * K, _us(lambda: matmul(a, b, config=config)),
-                         _us(lambda: a @ b), "cuBLAS", err))
+        _guarded(rows, f"matmul {M}x{N}x{K}", lambda: _row(
+            "matmul", f"{M}x{N}x{K}", 2.0 * M * N * K, lambda: matmul(a, b, config=config), lambda: a @ b, "cuBLAS",
+            _checked(f"matmul {M}x{N}x{K}", matmul(a, b, config=config), a @ b)))
     return rows
+
+
+def _checked(label: str, got, ref) -> float:
+    """The relative error of got against ref; raises past TOL (the row is then reported as failed)."""
+    err = _err(got, ref)
+    if err > TOL:
+        raise RuntimeError(f"{label}: relative error {err:.3g}")
+    return err
 
 
 def bench_fused(dt, ops, config) -> list:
@@ -78,10 +109,9 @@ def bench_fused(dt, ops, config) -> list:
             else:
                 ws = GemmRsWorkspace(N, dt, M)
                 fn = lambda: gemm_rs(a, b, workspace=ws, config=config)  # noqa: E731
-            err = _err(fn(), ref)
-            if err > TOL:
-                raise SystemExit(f"{op} {M}x{K}x{N}: relative error {err:.3g}")
-            rows.append(_row(op, f"{M}x{K}x{N}", 2.0 * M * N * K, _us(fn), _us(lambda: a @ b), "cuBLAS", err))
+            label = f"{op} {M}x{K}x{N}"
+            _guarded(rows, label, lambda: _row(op, f"{M}x{K}x{N}", 2.0 * M * N * K, fn, lambda: a @ b, "cuBLAS",
+                                               _checked(label, fn(), ref)))
             ws.free()
     return rows
 
@@ -113,11 +143,9 @@ def bench_grouped(dt, config) -> list:
                 except RuntimeError as exc:  # a layout this torch build does not take
                     print(f"grouped {name}.{proj}.{prod}: torch._grouped_mm n/a: {str(exc).splitlines()[0][:100]}")
                     continue
-                err = _err(ours(), ref)
-                if err > TOL:
-                    raise SystemExit(f"grouped {name}.{proj}.{prod}: relative error {err:.3g}")
-                rows.append(_row(f"grouped.{proj}.{prod}", name, 2.0 * R * K * N, _us(ours), _us(theirs),
-                                 "torch._grouped_mm", err))
+                label = f"grouped {name}.{proj}.{prod}"
+                _guarded(rows, label, lambda: _row(f"grouped.{proj}.{prod}", name, 2.0 * R * K * N, ours, theirs,
+                                                   "torch._grouped_mm", _checked(label, ours(), ref)))
     return rows
 
 
@@ -168,7 +196,8 @@ def main(argv=None) -> None:
     out = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__}
     if args.sweep:
         out["sweep"] = sweep(dt)
-    print(f"{'op':<26} {'shape':<22} {'µs':>9} {'TFLOP/s':>7} {'base µs':>9} {'TFLOP/s':>7} {'ratio':>6}  baseline")
+    print(f"{'op':<26} {'shape':<22} {'µs':>9} {'TFLOP/s':>7} {'base µs':>9} {'TFLOP/s':>7} {'ratio':>6} "
+          f"{'wall µs':>9} {'base wall':>9}  baseline")
     rows = bench_matmul(dt, config) if "matmul" in ops else []
     fused = [op for op in ("ag_gemm", "gemm_rs") if op in ops]
     if fused:
