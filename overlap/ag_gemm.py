@@ -154,7 +154,6 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     a, _ = tma_operand(a_shard)
     bt, b_trans = tma_operand(b, allow_trans=True)
     C_TMA = c.stride(0) * c.element_size() % 16 == 0
-
     cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
     if W > 1:  # (a launch with no programs is skipped)
         tiles_m = triton.cdiv(m, cfg.BLOCK_M)
@@ -164,9 +163,9 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
             _PUSH.launch((W - 1, min(tiles_m, _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g, ws.flags,
                          ws.consumed, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
                          BLOCK_M=cfg.BLOCK_M)
-    launch_gemm(_GEMM, W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a.dtype,
-                a, g, bt, c, ws.flags, epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
-                bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype))
+    launch_gemm(_GEMM, W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
+                epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride, bt.stride(0), c.stride(0),
+                B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype))
     if W > 1 and ws.stream is not None:
         torch.cuda.current_stream(a.device).wait_stream(ws.stream)
         a_shard.record_stream(ws.stream)

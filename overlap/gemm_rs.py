@@ -78,7 +78,8 @@ def _put_part(c, slot_ptr, rows_left, cols_left, stride, BLOCK_M: tl.constexpr, 
     k = tl.arange(0, HALF)
     offs = r[:, None] * stride + k[None, :]
     c0, c1 = split_cols(c, BLOCK_M, WIDTH)
-    tl.store(slot_ptr + offs, c0.to(slot_ptr.dtype.element_ty), mask=(r[:, None] < rows_left) & (k[None, :] < cols_left))
+    tl.store(slot_ptr + offs, c0.to(slot_ptr.dtype.element_ty),
+             mask=(r[:, None] < rows_left) & (k[None, :] < cols_left))
     tl.store(slot_ptr + HALF + offs, c1.to(slot_ptr.dtype.element_ty),
              mask=(r[:, None] < rows_left) & (k[None, :] < cols_left - HALF))
 
@@ -208,7 +209,7 @@ def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
     recv = ws.recv
     for begin, end in ranges:
         if end > begin:
-            launch_gemm(_GEMM_RS, end - begin, cfg, a.dtype, a_t, bt, out, recv, ws.flags, ws.consumed, team.pes, epoch,
+            launch_gemm(_GEMM_RS, end - begin, cfg, a_t, bt, out, recv, ws.flags, ws.consumed, team.pes, epoch,
                         mb, N, K, me, W, begin, end, a_t.stride(0), bt.stride(0), out.stride(0), recv.stride(0),
                         flag_stride, B_TRANS=b_trans, C_TMA=out.stride(0) * out.element_size() % 16 == 0,
                         PRECISION=dot_precision(a.dtype))

@@ -164,7 +164,7 @@ def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
 def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
     (R, K), E, N = x.shape, w.shape[0], y.shape[1]
     tiles = (triton.cdiv(R, cfg.BLOCK_M) + E + 1) * triton.cdiv(N, cfg.BLOCK_N)
-    launch_gemm(_ROWS, tiles, cfg, x.dtype, x, w, y, offs, R, K, N, E, x.stride(0), w.stride(0), w.stride(1),
+    launch_gemm(_ROWS, tiles, cfg, x, w, y, offs, R, K, N, E, x.stride(0), w.stride(0), w.stride(1),
                 y.stride(0), B_TRANS=trans, C_TMA=y.stride(0) * y.element_size() % 16 == 0,
                 PRECISION=dot_precision(x.dtype), E_PAD=triton.next_power_of_2(E + 1))
 
@@ -179,7 +179,7 @@ def _wgrad(x, dy, offs, E: int, config) -> torch.Tensor:
     dy_t, _ = tma_operand(dy.contiguous())
     cfg = config if isinstance(config, GemmConfig) else _WGRAD["gpu" if x.is_cuda else "cpu"]
     tiles = E * triton.cdiv(K, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    launch_gemm(_WGRAD_LAUNCH, tiles, cfg, x.dtype, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0), dy_t.stride(0),
+    launch_gemm(_WGRAD_LAUNCH, tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0), dy_t.stride(0),
                 dw.stride(0), dw.stride(1), C_TMA=dw.stride(1) * dw.element_size() % 16 == 0,
                 PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32)
     return dw

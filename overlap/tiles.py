@@ -300,15 +300,15 @@ def check_operands(what: str, a: torch.Tensor, b: torch.Tensor, a_name: str = "a
         raise ValueError(f"{what}: {a_name} must be contiguous (row-major), got strides {tuple(a.stride())}")
 
 
-def launch_gemm(launcher: CachedLaunch, tiles: int, cfg: GemmConfig, dtype: torch.dtype, *args, **flags) -> None:
+def launch_gemm(launcher: CachedLaunch, tiles: int, cfg: GemmConfig, *args, **flags) -> None:
     """Launch a persistent tile-GEMM kernel on min(tiles, SMs) programs through its CachedLaunch: args are the
     kernel's runtime arguments in order (args[0] a tensor on the launch device), flags its constexprs besides
-    cfg's fields. Compiled kernels are keyed by (cfg, dtype of the operands, flags): the first launch of a key
+    cfg's fields. Compiled kernels are keyed by (cfg, the tensors' dtypes, flags): the first launch of a key
     compiles (or finds) the kernel the ordinary way, later ones go straight to it (~100 µs of Triton's
     argument binding saved per call on GPUs; CPU ranks take the interpreted launch)."""
     prepare_tma()
-    launcher.launch((num_programs(tiles, args[0].device),), (cfg, dtype, tuple(flags.items())), *args, **flags,
-                    **_launch_kwargs(cfg))
+    key = (cfg, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(flags.items()))
+    launcher.launch((num_programs(tiles, args[0].device),), key, *args, **flags, **_launch_kwargs(cfg))
 
 
 # The launcher of each GEMM kernel (its compiled kernels by config; module-level like Triton's own kernel cache).
@@ -318,8 +318,8 @@ _MATMUL = CachedLaunch(_matmul_kernel)
 def _launch_matmul(a, b, b_trans, c, cfg: GemmConfig) -> None:
     M, K = a.shape
     N = c.shape[1]
-    launch_gemm(_MATMUL, triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a.dtype,
-                a, b, c, M, N, K, a.stride(0), b.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=_aligned(c),
+    launch_gemm(_MATMUL, triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a, b, c, M, N, K,
+                a.stride(0), b.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=_aligned(c),
                 PRECISION=dot_precision(a.dtype))
 
 

@@ -84,8 +84,8 @@ def kernels(fn, calls: int = 3):
         for e in trace.get("traceEvents", []):
             a = e.get("args", {})
             if e.get("cat") == "kernel" and e.get("name") not in facts:
-                facts[e.get("name")] = (f"grid {a.get('grid')} block {a.get('block')} regs {a.get('registers per thread')} "
-                                        f"smem {a.get('shared memory')} blocks/SM {a.get('blocks per SM')} "
+                facts[e.get("name")] = (f"grid {a.get('grid')} block {a.get('block')} "
+                                        f"regs {a.get('registers per thread')} smem {a.get('shared memory')} blocks/SM {a.get('blocks per SM')} "
                                         f"occupancy {a.get('est. achieved occupancy %')}%")
     except Exception as exc:  # noqa: BLE001 (the facts are extra)
         facts["?"] = f"(no trace facts: {type(exc).__name__})"
@@ -188,7 +188,8 @@ def grouped() -> None:
     flops = 2.0 * R * H * 2 * F
     shape = f"{E}x{H}x{2 * F} R={R}"
     ref = torch._grouped_mm(x, w, offs=offs)
-    case("torch grouped", lambda: measure(f"torch._grouped_mm {shape}", lambda: torch._grouped_mm(x, w, offs=offs), flops))
+    case("torch grouped", lambda: measure(f"torch._grouped_mm {shape}", lambda: torch._grouped_mm(x, w, offs=offs),
+                                          flops))
     case("grouped_mm", lambda: measure(f"grouped_mm {shape}", lambda: grouped_mm(x, w, offs, check_offs=False),
                                        flops, ref))
 
