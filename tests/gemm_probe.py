@@ -85,7 +85,8 @@ def kernels(fn, calls: int = 3):
             a = e.get("args", {})
             if e.get("cat") == "kernel" and e.get("name") not in facts:
                 facts[e.get("name")] = (f"grid {a.get('grid')} block {a.get('block')} "
-                                        f"regs {a.get('registers per thread')} smem {a.get('shared memory')} blocks/SM {a.get('blocks per SM')} "
+                                        f"regs {a.get('registers per thread')} smem {a.get('shared memory')} "
+                                        f"blocks/SM {a.get('blocks per SM')} "
                                         f"occupancy {a.get('est. achieved occupancy %')}%")
     except Exception as exc:  # noqa: BLE001 (the facts are extra)
         facts["?"] = f"(no trace facts: {type(exc).__name__})"
@@ -131,7 +132,10 @@ def case(label: str, body, always: bool = False) -> None:
     except Exception as exc:  # a diagnostic: report and continue
         out(f"{label}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
         out("".join(traceback.format_exc().splitlines(True)[-6:]))
-    torch.cuda.synchronize()
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 (a device fault: later cases will say so too)
+        out(f"{label}: synchronize after the case failed: {type(exc).__name__}: {exc}")
 
 
 def operands(M: int, K: int, N: int):
@@ -223,8 +227,8 @@ def main() -> None:
     out(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     a, b = operands(1000, 1000, 1000)
     case("matmul 1000^3 pre-init", lambda: measure("matmul   1000^3 before init", lambda: matmul(a, b), 2e9))
-    tilecomm.init(backend="cuda", heap_bytes=3 << 30)
-    out(f"tilecomm.init: world {tilecomm.world_size()}, GPU memory free/total {torch.cuda.mem_get_info()}")
+    case("tilecomm.init", lambda: tilecomm.init(backend="cuda", heap_bytes=3 << 30), always=True)
+    out(f"GPU memory free/total {torch.cuda.mem_get_info()}")
     case("launch paths", launch_paths)
     gemm_shape(1000, 1000, 1000)
     gemm_shape(8192, 4096, 3584)
@@ -232,10 +236,14 @@ def main() -> None:
     gemm_shape(8000, 4000, 3500)  # not multiples of the block; N = 3500: unaligned rows (padded copy of b)
     case("grouped", grouped)
     case("variants", variants, always=True)
-    out("\nsummary (µs per call; kernel = GPU time of the call's kernels, host = Python + launch):")
-    out(f"{'case':<40} {'host':>8} {'wall':>8} {'kernel':>8} {'bench':>8}")
+    out("\nsummary (µs per call; kernel = GPU time of the call's kernels, host = Python + launch; x base = this "
+        "figure / the same shape's cuBLAS or torch._grouped_mm figure, below 1 is faster):")
+    out(f"{'case':<40} {'host':>8} {'wall':>8} {'kernel':>8} {'bench':>8} {'wall x base':>11} {'kernel x base':>13}")
+    base = {label.split(None, 1)[1]: (wall, kern) for label, _, wall, kern, _ in SUMMARY
+            if label.startswith(("cublas", "torch"))}
     for label, host, wall, kern, bench in SUMMARY:
-        out(f"{label:<40} {host:8.1f} {wall:8.1f} {kern:8.1f} {bench:8.1f}")
+        b = base.get(label.split(None, 1)[1], (math.nan, math.nan))
+        out(f"{label:<40} {host:8.1f} {wall:8.1f} {kern:8.1f} {bench:8.1f} {wall / b[0]:11.2f} {kern / b[1]:13.2f}")
     out(f"probe took {time.perf_counter() - START:.0f} s")
 
 
