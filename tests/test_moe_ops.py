@@ -33,7 +33,7 @@ def _leaves(*ts, dtype=torch.float32):
 
 
 def _close(got, want, tol=2e-5):
-    torch.testing.assert_close(got.detach().double().cpu(), want.detach().double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.detach().double().cpu(), want.detach().double().cpu(), rtol=tol, atol=tol)
 
 
 def _check_grads(out, out_ref, ins, ins_ref, seed=0, tol=2e-5):
