@@ -11,16 +11,19 @@ Per call and slot (`e` = the slot's epoch, a device word the program bumps, so n
 the host and a captured CUDA graph replays correctly):
 
 1. header   the writer publishes `meta[pid] = (heap offset of its data, element count)` and SETs the
-            reader's `ready[pid] = e << 32`;
+            reader's `ready[pid] = e << 32` (staged: `e << 32 | 1`, its chunk 0 is in ring slot 0 already,
+            so a pair of one chunk per program costs one signal each way, not two);
 2. stream   the data moves in chunks of CHUNK elements, chunk c = q, q + P, ... of the pair.
             Staged (ordinary tensors): the writer copies chunk i into ring slot i % DEPTH of its
             workspace and SETs `ready = e << 32 | i + 1`; the reader copies it from there into its
-            output and SETs the writer's `done = e << 32 | i + 1`; the writer reuses a ring slot only
-            once the reader is done with it. The ring is small (L2-resident on GPUs), so a staged call
-            reads and writes device memory about as often as one copy does.
+            output and SETs the writer's `done = e << 32 | i + 1` (not after its last chunk: step 3
+            says it); the writer reuses a ring slot only once the reader is done with it. The ring is
+            small (L2-resident on GPUs), so a staged call reads and writes device memory about as often
+            as one copy does.
             In place (inputs on the symmetric heap): the reader copies straight from the writer's tensor.
 3. finish   the reader SETs `done = e << 32 | ALL`; the writer waits for it before it exits, so its
-            input (and ring) are free for the caller's next kernel, and no trailing barrier is needed.
+            input (and ring) are free for the caller's next kernel (and the next call's chunk 0 may go
+            into the ring before its header), and no trailing barrier is needed.
 
 A reader checks the writer's count against what it expects; a mismatch is recorded as a device error
 (raised as PeerMismatchError at the next call) and the smaller count is moved. Reduce-scatter runs P
@@ -103,14 +106,15 @@ def _chunks_of(count, q, P, chunk):
 
 
 @jit
-def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constexpr, TAG: tl.constexpr, base):
+def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constexpr, TAG: tl.constexpr, ready):
     """Header of one pair slot: where my data for dst lies (heap element offset), how much, whether dst
-    reads it in place (else through my ring) and which collective this is; then SET dst's ready word."""
+    reads it in place (else through my ring) and which collective this is; then SET dst's ready word to
+    `ready` (the call's base, or base + 1 when ring slot 0 already holds chunk 0: one signal for both)."""
     tl.store(meta_ptr + 4 * slot, offset)
     tl.store(meta_ptr + 4 * slot + 1, count)
     tl.store(meta_ptr + 4 * slot + 2, tl.full((), IN_PLACE, tl.int64))
     tl.store(meta_ptr + 4 * slot + 3, tl.full((), TAG, tl.int64))
-    tcl.signal(ready_ptr + slot, base, dst, tcl.SIGNAL_SET)
+    tcl.signal(ready_ptr + slot, ready, dst, tcl.SIGNAL_SET)
 
 
 @jit
@@ -173,20 +177,24 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
         s_cnt = tl.load(table_ptr + 2 * dst + 1)
         r_off = tl.load(table_ptr + 2 * W + 2 * src)
         r_cnt = tl.load(table_ptr + 2 * W + 2 * src + 1)
-    _publish(meta_ptr, ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, TAG, base)
+    # staged: chunk 0 goes into ring slot 0 before the header, whose signal then also says "chunk 0 ready"
+    s_chunk = _chunk_size(s_cnt, P, CHUNK)
+    n_send = _chunks_of(s_cnt, q, P, s_chunk) * (1 - IN_PLACE)
+    slot0 = ring_off + pid * DEPTH * CHUNK
+    if n_send > 0:
+        c0 = q.to(tl.int64) * s_chunk
+        _copy(heap_ptr, slot0, in_ptr, s_off + c0, tl.minimum(s_chunk, s_cnt - c0), BLOCK, VEC)
+    _publish(meta_ptr, ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, TAG, tl.where(n_send > 0, base + 1, base))
     remote_off, cnt, remote_in_place, offered = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base,
                                                              TAG)
     # interleave my sends to dst with my receives from src, chunk by chunk (a pair's chunking follows from
     # its writer's count, which both ends know)
-    s_chunk = _chunk_size(s_cnt, P, CHUNK)
     r_chunk = _chunk_size(offered, P, CHUNK)
-    n_send = _chunks_of(s_cnt, q, P, s_chunk) * (1 - IN_PLACE)
     n_recv = _chunks_of(cnt, q, P, r_chunk)
-    slot0 = ring_off + pid * DEPTH * CHUNK
     peer_heap = _peer_delta(heap_ptr, src)
     for i in range(0, tl.maximum(n_send, n_recv)):
         slot = slot0 + (i % DEPTH) * CHUNK
-        if i < n_send:
+        if (i > 0) & (i < n_send):
             c = (q + i * P).to(tl.int64) * s_chunk
             if i >= DEPTH:  # the reader must be done with what this ring slot held
                 tcl.wait(done_ptr + pid, base + i - DEPTH + 1, tcl.CMP_GE)
@@ -197,7 +205,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
             if remote_in_place == 0:
                 tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
                 _copy(out_ptr, r_off + c, heap_ptr, peer_heap + slot, tl.minimum(r_chunk, cnt - c), BLOCK, VEC)
-                tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
+                if i < n_recv - 1:  # the last chunk's "done" is the final signal below
+                    tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:
                 _copy(out_ptr, r_off + c, heap_ptr, peer_heap + remote_off + c, tl.minimum(r_chunk, cnt - c),
                       BLOCK, VEC)
