@@ -15,12 +15,14 @@ S = M * K slots per (local expert, source rank), H hidden. Symmetric buffers: mo
   expert 1 gets (t0, k0) in slot 0 and (t1, k0) in slot 1.
 * reduce (programs: blocks of BT tokens here): waits until flags[t * K + k] >= seq for every pair of its
   tokens that has an expert (the expert rank SETs it after writing the pair's row to back[t * K + k]),
-  then out[t] = sum over k, in order, of back[t * K + k] (fp32 sums; fp64 for fp64 data) and
-  values[t, k] = back_w[t * K + k] (0 where no expert). The last program SETs consumed[me] = seq on every
+  then out[t] = sum over k, in order, of coef[t, k] * back[t * K + k] (HAS_COEF: the routing weights, applied
+  here as the unfused combine applies them to the rounded expert rows; fp32 mul-then-add, launched without FMA
+  contraction; fp64 for fp64 data) and values[t, k] = back_w[t * K + k] (0 where no expert). The last program SETs consumed[me] = seq on every
   rank: expert ranks may write this rank's back rows again.
 
 `wait_words(base, offs, mask, value)`: acquire-wait until every word base[offs] (where mask) is >= value,
-made of scalar tcl.wait calls on the first word still behind, so every wait has tcl's timeout.
+made of scalar tcl.wait calls on the first word still behind, so every wait has tcl's timeout; returns the
+words (read again after the acquire; 0 where masked).
 """
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ def wait_words(base, offs, mask, value):
             cur = tl.atomic_add(base + offs, 0, mask=mask, sem="acquire", scope="sys")
             behind = tl.min(tl.where(mask & (cur < value), offs.to(tl.int64), _NONE), 0)
     tl.debug_barrier()  # every thread reads after every lane's acquire
-    return cur
+    # the words once more, by plain loads: a tensor atomic's old values reach only the thread that issued it
+    # in some compiled layouts (each lane is held by several threads), and the words no longer change
+    return tl.load(base + offs, mask=mask, other=0, volatile=True)
 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
@@ -83,9 +87,10 @@ def _send_kernel(x_ptr, topk_ptr, w_ptr, counts_ptr, slots_ptr, stage_ptr, pair_
 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
-def _reduce_kernel(back_ptr, back_w_ptr, flags_ptr, topk_ptr, out_ptr, values_ptr, consumed_ptr, counter_ptr, T, seq,
-                   E, W, H, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_VALUES: tl.constexpr, ACC: tl.constexpr):
+def _reduce_kernel(back_ptr, back_w_ptr, flags_ptr, topk_ptr, coef_ptr, out_ptr, values_ptr, consumed_ptr, counter_ptr,
+                   T, seq, E, W, H, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALUES: tl.constexpr,
+                   ACC: tl.constexpr):
     me = tcl.rank()
     b = tl.program_id(0)
     _, flat, _, _, valid = token_pairs(topk_ptr, b, T, E, K, BT, BLOCK_P)
@@ -97,8 +102,11 @@ def _reduce_kernel(back_ptr, back_w_ptr, flags_ptr, topk_ptr, out_ptr, values_pt
         acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
         for k in tl.static_range(K):  # k order, as the unfused combine sums a token's pairs
             has = tl.max(tl.where(kk[None, :] == k, owner, -1), axis=1) >= 0
-            acc += tl.load(back_ptr + (tok * K + k)[:, None] * H + cols[None, :],
-                           mask=has[:, None] & (cols < H)[None, :], other=0.0).to(ACC)
+            v = tl.load(back_ptr + (tok * K + k)[:, None] * H + cols[None, :],
+                        mask=has[:, None] & (cols < H)[None, :], other=0.0).to(ACC)
+            if HAS_COEF:
+                v = v * tl.load(coef_ptr + tok * K + k, mask=has, other=0.0).to(ACC)[:, None]
+            acc = acc + v
         tl.store(out_ptr + tok[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tok_ok[:, None] & (cols < H)[None, :])
     if HAS_VALUES:

@@ -12,12 +12,18 @@ _P64, _P32, _F32, _BF16 = "*i64", "*i32", "*fp32", "*bf16"
 _GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_PAD=64, ACC=tl.float32, PRECISION="tf32")
 
 
+# int arguments that are multiples of 16 at the bench's shapes (hidden, ffn, max tokens, slots, strides): Triton
+# specialises them so at launch, and the gathers' vector width (16-byte cp.async, pipelined) depends on it
+_ALIGNED = ("H", "F", "M", "S", "KA", "N", "stride_we", "stride_wk", "stride_wf", "stride_am", "stride_w")
+
+
 def _case(kernel, pointers: dict, constexprs: dict, wide=("seq", "stride_we")):
-    """Every argument not named is an int32 scalar; `wide` ones are int64."""
+    """Every argument not named is an int32 scalar; `wide` ones are int64. The fourth element: the int
+    arguments compiled as multiples of 16 (gpu_compile.py)."""
     signature = {}
     for name in kernel.arg_names:
         signature[name] = "constexpr" if name in constexprs else pointers.get(name, "i64" if name in wide else "i32")
-    return kernel, signature, constexprs
+    return kernel, signature, constexprs, tuple(n for n in _ALIGNED if n in signature and n not in constexprs)
 
 
 def gpu_compile_cases() -> list:
@@ -28,15 +34,17 @@ def gpu_compile_cases() -> list:
               dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_B=16, BLOCK_W=8, BLOCK_H=256, ALIGN=8,
                    WITH_META=True)),
         _case(mc._reduce_kernel, {"back_ptr": _BF16, "back_w_ptr": _F32, "flags_ptr": _P64, "topk_ptr": _P64,
-                                  "out_ptr": _BF16, "values_ptr": _F32, "consumed_ptr": _P64, "counter_ptr": _P32},
-              dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_H=256, HAS_VALUES=True, ACC=tl.float32)),
+                                  "coef_ptr": _F32, "out_ptr": _BF16, "values_ptr": _F32, "consumed_ptr": _P64,
+                                  "counter_ptr": _P32},
+              dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_H=256, HAS_COEF=True, HAS_VALUES=True,
+                   ACC=tl.float32)),
         _case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16, "x_out_ptr": _BF16,
                                    "row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32},
               dict(_GEMM, BLOCK_W=8, SAVE_X=True)),
         _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16, "g_out_ptr": _BF16,
-                                     "row_gw_ptr": _F32}, dict(_GEMM, BLOCK_W=8)),
+                                     "row_gw_ptr": _F32}, dict(_GEMM, BLOCK_N=64, BLOCK_W=8)),  # grad_block_n
         _case(mg._scatter_kernel, {"a_ptr": _BF16, "w_ptr": _BF16, "offs_ptr": _P32, "row_pair_ptr": _P32,
-                                   "row_src_ptr": _P32, "coef_ptr": _F32, "vals_ptr": _F32, "back_ptr": _BF16,
+                                   "row_src_ptr": _P32, "vals_ptr": _F32, "back_ptr": _BF16,
                                    "back_w_ptr": _F32, "flags_ptr": _P64, "consumed_ptr": _P64},
-              dict(_GEMM, B_TRANS=True, HAS_COEF=True, HAS_VALS=True, ALIGN=8)),
+              dict(_GEMM, B_TRANS=True, HAS_VALS=True, ALIGN=8)),
     ]

@@ -18,9 +18,10 @@ in the same order, the same roundings where the unfused path rounds), in six lau
     gate_up  moe_gemm.py: waits per row tile for its rows, gathers them from the staging buffer by index,
              h = x @ w_gate_up with the SwiGLU epilogue
     release  consumed signal: the staging buffer may be overwritten
-    down     moe_gemm.py: y = act @ w_down, scaled by the routing weight in the epilogue and stored straight
-             into the source rank's back buffer at (token, k), flag per row
-    reduce   moe_comm.py: on the source, out[t] = sum_k back[t, k] (fp32) once its pairs' flags are set
+    down     moe_gemm.py: y = act @ w_down stored straight into the source rank's back buffer at (token, k),
+             flag per row
+    reduce   moe_comm.py: on the source, out[t] = sum_k topk_weights[t, k] * back[t, k] (fp32, the unfused
+             combine's order and roundings) once its pairs' flags are set
 
 Backward, the same way: send of grad_out (combine's gradient is a dispatch) -> `_down_grad_kernel` (gathered
 rows @ w_down^T, SwiGLU backward, routing-weight gradients <g, y> per row) -> release -> weight gradients as
@@ -61,18 +62,22 @@ _P2 = triton.next_power_of_2
 @dataclass(frozen=True)
 class FusedMoEConfig:
     """gemm: the GEMM kernels' tiles (BLOCK_M rows per item, BLOCK_N output / BLOCK_K reduction columns per
-    step), warps and pipeline stages (GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used); block_h:
-    columns per step of the row copies (send, reduce)."""
+    step), warps and pipeline stages (GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used); grad_block_n:
+    BLOCK_N of the down-projection backward (its SwiGLU epilogue also holds h's gate and up tiles: at 128
+    columns ptxas spills); block_h: columns per step of the row copies (send, reduce)."""
 
     gemm: GemmConfig = GemmConfig(128, 128, 64, 8, 8, 3, 1, False)
+    grad_block_n: int = 64
     block_h: int = 256
 
     @staticmethod
-    def for_device(device: torch.device, hidden: int) -> "FusedMoEConfig":
+    def for_device(device: torch.device, hidden: int, dtype: torch.dtype = torch.bfloat16) -> "FusedMoEConfig":
         if device.type == "cuda":
+            if dtype in (torch.float32, torch.float64):  # IEEE FMA path: small tiles (shared memory, registers)
+                return FusedMoEConfig(GemmConfig(64, 64, 32, 8, 4, 3, 1, False), 64)
             return FusedMoEConfig()
         # the interpreter: few, large programs and small tiles
-        return FusedMoEConfig(GemmConfig(16, 32, 32, 1, 1, 1, 1, False), min(256, _P2(hidden)))
+        return FusedMoEConfig(GemmConfig(16, 32, 32, 1, 1, 1, 1, False), 32, min(256, _P2(hidden)))
 
 
 def fused_moe_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:
@@ -136,7 +141,7 @@ class FusedMoEWorkspace:
         self.num_experts, self.hidden, self.ffn_hidden, self.max_tokens, self.topk = num_experts, hidden, ffn_hidden, \
             max_tokens_per_rank, topk
         self.num_local_experts = num_experts // W
-        self.cfg = config or FusedMoEConfig.for_device(dev, hidden)
+        self.cfg = config or FusedMoEConfig.for_device(dev, hidden, dtype)
         self.state = SymmetricState("FusedMoEWorkspace", fused_moe_specs(W, num_experts, max_tokens_per_rank, topk,
                                                                          hidden, dtype),
                                     zeroed=("words", "flags", "notify_sig", "consumed"))
@@ -220,16 +225,16 @@ class FusedMoEWorkspace:
         team = self.team
         _release_kernel[(1,)](self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
 
-    def _gemm_args(self, tiles: int):
+    def _gemm_args(self, tiles: int, block_n: Optional[int] = None):
         g = self.cfg.gemm
         return (num_programs(tiles, self.device),), dict(
-            BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
+            BLOCK_M=g.BLOCK_M, BLOCK_N=block_n or g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
             ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=g.num_warps, num_stages=g.num_stages)
 
     def _tiles(self, R: int) -> int:
         return triton.cdiv(R, self.cfg.gemm.BLOCK_M) + self.num_local_experts
 
-    def _scatter_back(self, a, w, offs, row_pair, row_src, R, coef, vals, b_trans: bool) -> None:
+    def _scatter_back(self, a, w, offs, row_pair, row_src, R, vals, b_trans: bool) -> None:
         """Rows a[R, KA] @ w[e] (w[e]^T with b_trans) into their sources' back rows (+ per-row vals)."""
         self.seq[2] += 1
         st = self.state
@@ -238,21 +243,23 @@ class FusedMoEWorkspace:
         grid, kw = self._gemm_args(self._tiles(R))
         _scatter_kernel[grid](
             a_t, w_t, offs, self._ptr(row_pair, torch.int32), self._ptr(row_src, torch.int32),
-            self._ptr(coef, torch.float32), self._ptr(vals, torch.float32), st.back, st.back_w, st.flags,
+            self._ptr(vals, torch.float32), st.back, st.back_w, st.flags,
             st.consumed[1], self.seq[2], R, a.shape[1], self.hidden, self.num_local_experts, self.world_size,
-            a_t.stride(0), w_t.stride(0), w_t.stride(1), B_TRANS=b_trans, HAS_COEF=coef is not None,
-            HAS_VALS=vals is not None, ALIGN=16 // a.element_size(), **kw)
+            a_t.stride(0), w_t.stride(0), w_t.stride(1), B_TRANS=b_trans, HAS_VALS=vals is not None,
+            ALIGN=16 // a.element_size(), **kw)
 
-    def _reduce(self, topk, T: int, with_values: bool):
-        """out [T, H] = sum_k back[t, k] (and the per-pair values [T, K] float32)."""
+    def _reduce(self, topk, T: int, coef, with_values: bool):
+        """out [T, H] = sum_k coef[t, k] * back[t, k] (coef [T, K] float32, or None = 1), and the per-pair
+        values [T, K] float32."""
         st, K = self.state, self.topk
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=self.device)
         values = torch.empty((T, K), dtype=torch.float32, device=self.device) if with_values else None
         _reduce_kernel[(max(1, triton.cdiv(T, self.bt)),)](
-            st.back, st.back_w, st.flags, self._ptr(topk, topk.dtype), self._ptr(out, self.dtype),
-            self._ptr(values, torch.float32), st.consumed[1], self._launches[1:2], T, self.seq[2], self.num_experts,
-            self.world_size, self.hidden, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
-            BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_VALUES=with_values, ACC=self._acc(), num_warps=4)
+            st.back, st.back_w, st.flags, self._ptr(topk, topk.dtype), self._ptr(coef, torch.float32),
+            self._ptr(out, self.dtype), self._ptr(values, torch.float32), st.consumed[1], self._launches[1:2], T,
+            self.seq[2], self.num_experts, self.world_size, self.hidden, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K),
+            BLOCK_T=_P2(self.bt), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_COEF=coef is not None,
+            HAS_VALUES=with_values, ACC=self._acc(), num_warps=4, enable_fp_fusion=False)
         return out, values
 
     # -- forward / backward --------------------------------------------------------------------------
@@ -264,7 +271,8 @@ class FusedMoEWorkspace:
         topk = topk_idx.contiguous()
         plan = self._route(topk)
         slots = torch.empty((T, K), dtype=torch.int32, device=dev)
-        self._send(x, topk, topk_weights.float().contiguous(), slots)
+        weights = topk_weights.float().contiguous()
+        self._send(x, topk, weights, slots)
         R, lo, hi = self._received()
         offs = plan[-self.num_local_experts:].cumsum(0).to(torch.int32)
         rows = max(R, 1)  # kernels and descriptors get at least one row
@@ -280,8 +288,8 @@ class FusedMoEWorkspace:
             row_w, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
             self.max_tokens * K, K, w_gu.stride(0), w_gu.stride(1), BLOCK_W=_P2(self.world_size), SAVE_X=save, **kw)
         self._release_stage()
-        self._scatter_back(act, w_down, offs, row_pair, row_src, R, row_w, None, b_trans=False)
-        out, _ = self._reduce(topk, T, with_values=False)
+        self._scatter_back(act, w_down, offs, row_pair, row_src, R, None, b_trans=False)
+        out, _ = self._reduce(topk, T, weights, with_values=False)
         if lo < -1 or hi >= self.num_experts:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"fused_moe: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
         saved = FusedMoESaved(T, topk, slots, plan, offs, row_pair[:R], row_src[:R], row_w[:R],
@@ -302,7 +310,7 @@ class FusedMoEWorkspace:
         g_rows = torch.empty((rows, H), dtype=self.dtype, device=dev)
         row_gw = torch.empty(rows, dtype=torch.float32, device=dev)
         w_dn, _ = tma_operand(w_down)
-        grid, kw = self._gemm_args(self._tiles(R))
+        grid, kw = self._gemm_args(self._tiles(R), self.cfg.grad_block_n)
         _down_grad_kernel[grid](
             st.stage, st.words, w_dn, s.plan, s.offs, self._ptr(s.row_w, torch.float32), self._ptr(s.h, self.dtype),
             dh, g_rows, row_gw, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
@@ -311,8 +319,8 @@ class FusedMoEWorkspace:
         E_L = self.num_local_experts
         grad_w_down = _wgrad(s.act, g_rows[:R], s.offs, E_L, None) if need_down else None
         grad_w_gate_up = _wgrad(s.x_rows, dh[:R], s.offs, E_L, None) if need_gate_up else None
-        self._scatter_back(dh, w_gate_up, s.offs, s.row_pair, s.row_src, R, None, row_gw, b_trans=True)
-        grad_x, grad_w = self._reduce(s.topk_idx, s.num_tokens, with_values=True)
+        self._scatter_back(dh, w_gate_up, s.offs, s.row_pair, s.row_src, R, row_gw, b_trans=True)
+        grad_x, grad_w = self._reduce(s.topk_idx, s.num_tokens, None, with_values=True)
         return grad_x, grad_w, grad_w_gate_up, grad_w_down
 
 

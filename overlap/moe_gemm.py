@@ -16,9 +16,10 @@ index (pointer gathers): the expert-major copy of the tokens is never built befo
   g that the sources sent; d_act = w * (g @ w_down[e]^T), dh = SwiGLU backward (h from the forward);
   grad_w of each row = sum_f (g @ w_down[e]^T)[f] * act[f] (= <g, y>, the routing weight's gradient);
   also the scaled rows w * g [R, H] (for w_down's gradient).
-* `_scatter_kernel` (forward GEMM2, backward of GEMM1): y = a @ w[e] (w[e]^T with B_TRANS), times the row's
-  routing weight (HAS_COEF), stored straight into the source rank's back[t * K + k] (with HAS_VALS one float
-  per row into its back_w), then the row's flag SET to seq there (release).
+* `_scatter_kernel` (forward GEMM2, backward of GEMM1): y = a @ w[e] (w[e]^T with B_TRANS), rounded to the
+  data type as the unfused grouped GEMM's output, stored straight into the source rank's back[t * K + k] (the
+  source applies the routing weight as it sums: moe_comm.py reduce; with HAS_VALS one float per row into its
+  back_w), then the row's flag SET to seq there (release).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from tilecomm.dispatch._device import peer_offset, wait_all
 
 from .grouped import _expert_table, _pick
 from .moe_comm import wait_words
-from .tiles import b_desc3, desc3, tile_product_acc
+from .tiles import b_desc3, desc3, split_cols, tile_product_acc
 
 
 @triton.jit
@@ -105,7 +106,29 @@ def _gate_up_kernel(stage_ptr, words_ptr, pair_w_ptr, w_ptr, plan_ptr, offs_ptr,
             _store_cols(h_ptr, r, ok, 2 * F, 0, n, F, g, BLOCK_N)
             _store_cols(h_ptr, r, ok, 2 * F, F, n, F, u, BLOCK_N)
             gf = g.to(ACC)
-            _store_cols(act_ptr, r, ok, F, 0, n, F, gf * tl.sigmoid(gf) * u.to(ACC), BLOCK_N)
+            silu = (gf * tl.sigmoid(gf)).to(dtype).to(ACC)  # rounded as torch's silu of the data type
+            _store_cols(act_ptr, r, ok, F, 0, n, F, silu * u.to(ACC), BLOCK_N)
+
+
+@triton.jit
+def _swiglu_backward(acc, wt, h_ptr, dh_ptr, r, ok, F, n, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """Columns n.. of rows r: acc [BLOCK_M, BLOCK_N] = g @ w_down^T there. Stores dh (gate and up columns) for
+    d_act = w * acc, rounded as torch's SwiGLU backward in the data type rounds; returns sum_f acc * act (act
+    as the forward stored it) per row."""
+    dtype = dh_ptr.dtype.element_ty
+    cols = n + tl.arange(0, BLOCK_N)
+    cm = ok[:, None] & (cols < F)[None, :]
+    at = r[:, None].to(tl.int64) * 2 * F + cols[None, :]
+    g = tl.load(h_ptr + at, mask=cm, other=0.0).to(ACC)
+    u = tl.load(h_ptr + at + F, mask=cm, other=0.0).to(ACC)
+    sig = tl.sigmoid(g)
+    silu = (g * sig).to(dtype).to(ACC)
+    gw = tl.sum(acc * (silu * u).to(dtype).to(ACC), axis=1)
+    d_act = (acc * wt[:, None]).to(dtype).to(ACC)
+    d_silu = (d_act * u).to(dtype).to(ACC)  # d_act * up, rounded, then silu's derivative
+    _store_cols(dh_ptr, r, ok, 2 * F, 0, n, F, d_silu * sig * (1.0 + g * (1.0 - sig)), BLOCK_N)
+    _store_cols(dh_ptr, r, ok, 2 * F, F, n, F, d_act * silu, BLOCK_N)
+    return gw
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
@@ -128,23 +151,18 @@ def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr
                 if n == 0:  # the rows w * g: w_down's gradient is act^T @ (w * g) per expert
                     _store_cols(g_out_ptr, r, ok, H, 0, k, H, a.to(ACC) * wt[:, None], BLOCK_K)
                 acc = tl.dot(a, w_desc.load([e, n, k]).reshape(BLOCK_N, BLOCK_K).T, acc, input_precision=PRECISION)
-            cols = n + tl.arange(0, BLOCK_N)
-            cm = ok[:, None] & (cols < F)[None, :]
-            g = tl.load(h_ptr + r[:, None].to(tl.int64) * 2 * F + cols[None, :], mask=cm, other=0.0).to(ACC)
-            u = tl.load(h_ptr + r[:, None].to(tl.int64) * 2 * F + F + cols[None, :], mask=cm, other=0.0).to(ACC)
-            sig = tl.sigmoid(g)
-            gw += tl.sum(acc * (g * sig * u).to(dtype).to(ACC), axis=1)  # act as the forward stored it
-            d_act = (acc * wt[:, None]).to(dtype).to(ACC)
-            _store_cols(dh_ptr, r, ok, 2 * F, 0, n, F, d_act * u * sig * (1.0 + g * (1.0 - sig)), BLOCK_N)
-            _store_cols(dh_ptr, r, ok, 2 * F, F, n, F, d_act * g * sig, BLOCK_N)
+            # the epilogue in two column halves (registers: h's gate and up columns are loaded for it)
+            acc0, acc1 = split_cols(acc, BLOCK_M, BLOCK_N)
+            gw += _swiglu_backward(acc0, wt, h_ptr, dh_ptr, r, ok, F, n, BLOCK_N // 2, ACC)
+            gw += _swiglu_backward(acc1, wt, h_ptr, dh_ptr, r, ok, F, n + BLOCK_N // 2, BLOCK_N // 2, ACC)
         tl.store(row_gw_ptr + r, gw.to(row_gw_ptr.dtype.element_ty), mask=ok)
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
-def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, coef_ptr, vals_ptr, back_ptr, back_w_ptr,
+def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr, back_ptr, back_w_ptr,
                     flags_ptr, consumed_ptr, seq, R, KA, N, E_L, W, stride_am, stride_we, stride_w,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
-                    B_TRANS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ALIGN: tl.constexpr,
+                    B_TRANS: tl.constexpr, HAS_VALS: tl.constexpr, ALIGN: tl.constexpr,
                     ACC: tl.constexpr, PRECISION: tl.constexpr):
     """a [R, KA] expert-major, w [E_l, KA, N] (B_TRANS: [E_l, N, KA]); rows go to back[pair] on their source."""
     dtype = back_ptr.dtype.element_ty
@@ -161,8 +179,6 @@ def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, coef_ptr,
             acc = tile_product_acc(a_desc, 0, off_m, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, PRECISION,
                                    ACC)
             y = acc.to(dtype)  # rounded as the unfused grouped GEMM's output
-            if HAS_COEF:
-                y = (y.to(ACC) * tl.load(coef_ptr + r, mask=ok, other=0.0).to(ACC)[:, None]).to(dtype)
             cols = n + tl.arange(0, BLOCK_N)
             tl.store(back_ptr + dst[:, None] + cols[None, :], y, mask=ok[:, None] & (cols < N)[None, :])
         if HAS_VALS:

@@ -103,10 +103,13 @@ def _resources(cubin: bytes) -> dict:
 def main() -> None:
     _gpu.set_state_address(0x7F0000001000)
     libs = (("libnvshmem_device", _gpu.nvshmem_bitcode(arch=90)),)
-    for fn, sig, consts in CASES:
+    for fn, sig, consts, *aligned in CASES:
         names = list(sig)
-        # pointers 16-byte aligned, as Triton specializes them at launch
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+        # pointers 16-byte aligned and the ints a case names (a 4th element) multiples of 16, as Triton
+        # specializes them at launch
+        ints16 = set(aligned[0]) if aligned else set()
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(sig.items())
+                 if t.startswith("*") or name in ints16}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"extern_libs": libs, "num_warps": 8, "num_stages": 3})

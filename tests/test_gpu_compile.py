@@ -48,6 +48,7 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
         assert rows[gemm]["local_bytes"] in (0, None), rows[gemm]  # ptxas spilled nothing (cuobjdump -res-usage)
     for gemm in ("moe_gemm._gate_up_kernel", "moe_gemm._down_grad_kernel", "moe_gemm._scatter_kernel"):
         assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
+        assert rows[gemm]["local_bytes"] in (0, None), rows[gemm]  # compiled as launched (ints multiples of 16)
     assert rows["moe_gemm._scatter_kernel"]["release_sys_atomic"] and rows["moe_comm._send_kernel"]["release_sys_atomic"]
 
 

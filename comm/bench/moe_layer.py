@@ -34,10 +34,12 @@ def _heap_bytes(presets: dict, dtype: torch.dtype) -> int:
     from tilecomm.dispatch.buffers import normal_specs, symmetric_bytes
     from tilecomm.overlap.moe_fused import fused_moe_specs
 
+    # one preset's buffers at a time (each row frees its own, also when it fails); the runtime gives a quarter of
+    # the heap to the collectives' workspace (TILECOMM_WORKSPACE_BYTES), so the layers get three quarters
     need = max(symmetric_bytes(normal_specs(1, p["experts"], p["tokens"], p["topk"], p["hidden"], dtype)) +
                symmetric_bytes(fused_moe_specs(1, p["experts"], p["tokens"], p["topk"], p["hidden"], dtype))
                for p in presets.values())
-    return need + (64 << 20)
+    return -(-(need + (64 << 20)) * 4 // 3 // (2 << 20)) * (2 << 20)  # whole 2 MiB
 
 
 def _step(layer, x, grad_out):
@@ -50,17 +52,31 @@ def _step(layer, x, grad_out):
     return y
 
 
-def _max_rel_diff(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
-    return max(float((u.float() - v.float()).norm() / v.float().norm().clamp_min(1e-30)) for u, v in zip(a, b))
+def _rel_diffs(names: List[str], a: List[torch.Tensor], b: List[torch.Tensor]) -> dict:
+    """name -> |a - b| / |b| (Frobenius norms)."""
+    return {n: float((u.float() - v.float()).norm() / v.float().norm().clamp_min(1e-30)) for n, u, v in zip(names, a, b)}
 
 
 def _preset_row(name: str, p: dict, dtype: torch.dtype, iters: int, on_gpu: bool) -> dict:
-    from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
+    from tilecomm.moe.layer import MoEConfig, make_dispatcher
 
-    dev = tilecomm.current().device
     c = MoEConfig(hidden=p["hidden"], ffn_hidden=p["ffn"], num_experts=p["experts"], topk=p["topk"], dtype=dtype,
                   max_tokens_per_rank=p["tokens"], seed=0, init_std=0.02)
-    kinds = {kind: make_dispatcher(c, kind) for kind in ("tilecomm", "fused")}
+    kinds = {}
+    try:  # the symmetric buffers go back also when the row fails (the next preset needs the heap)
+        for kind in ("tilecomm", "fused"):
+            kinds[kind] = make_dispatcher(c, kind)
+        return _measure_row(name, p, c, kinds, iters, on_gpu)
+    finally:
+        for d in kinds.values():
+            d.free()
+
+
+def _measure_row(name: str, p: dict, c, kinds: dict, iters: int, on_gpu: bool) -> dict:
+    from tilecomm.moe.layer import MoELayer
+
+    dev = tilecomm.current().device
+    dtype = c.dtype
     layer = MoELayer(c, dispatcher=kinds["tilecomm"], device=dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(dtype).requires_grad_()
@@ -70,9 +86,12 @@ def _preset_row(name: str, p: dict, dtype: torch.dtype, iters: int, on_gpu: bool
         layer.dispatcher = d
         y = _step(layer, x, grad_out)
         results[kind] = [y.detach().clone(), x.grad.clone()] + [q.grad.clone() for q in layer.parameters()]
-    diff = _max_rel_diff(results["fused"], results["tilecomm"])
+    names = ["out", "grad x"] + [f"grad {n}" for n, _ in layer.named_parameters()]
+    diffs = _rel_diffs(names, results["fused"], results["tilecomm"])
+    diff = max(diffs.values())
     if diff > 5e-2:
-        raise AssertionError(f"moe_layer {name}: fused and tilecomm layers differ (relative {diff:.3g})")
+        raise AssertionError(f"moe_layer {name}: fused and tilecomm layers differ (relative {diff:.3g}; " +
+                             ", ".join(f"{n} {v:.2e}" for n, v in diffs.items()) + ")")
     for kind, d in kinds.items():
         layer.dispatcher = d
         us[kind] = measure.per_call_us(lambda: _step(layer, x, grad_out), iters, min(3, iters), on_gpu=on_gpu)
@@ -80,11 +99,9 @@ def _preset_row(name: str, p: dict, dtype: torch.dtype, iters: int, on_gpu: bool
             syncs[kind] = measure.host_syncs(lambda: layer(x), on_gpu)
     rows = p["tokens"] * p["topk"]
     flops = 6 * rows * p["hidden"] * p["ffn"] * 3
-    for d in kinds.values():
-        d.free()
     return dict(op=f"moe_layer {name}", fused_us=us["fused"], tilecomm_us=us["tilecomm"],
                 ratio=us["tilecomm"] / us["fused"], fused_tflops=flops / us["fused"] / 1e6,
-                fused_syncs=syncs["fused"], tilecomm_syncs=syncs["tilecomm"], max_rel_diff=diff)
+                fused_syncs=syncs["fused"], tilecomm_syncs=syncs["tilecomm"], max_rel_diff=diff, rel_diffs=diffs)
 
 
 def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
@@ -108,6 +125,7 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
         print(f"{row['op']:24s} {row['fused_us']:10.1f} {row['tilecomm_us']:12.1f} {row['ratio']:6.2f} "
               f"{row['fused_tflops']:8.1f} {row['fused_syncs']:4d}/{row['tilecomm_syncs']:<4d} "
               f"{row['max_rel_diff']:9.2e}", flush=True)
+        print("    rel diff per tensor: " + ", ".join(f"{n} {v:.1e}" for n, v in row["rel_diffs"].items()), flush=True)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
