@@ -235,6 +235,22 @@ def _atomic_broadcast_check():
     SUMMARY.append(f"atomic old values broadcast to every copy: {'ok' if bad == 0 else f'FAIL ({bad} wrong)'}")
 
 
+def _compiled_resources():
+    """Registers and spills of every compiled variant of the fused GEMMs (Triton's own counts, GPU only)."""
+    from tilecomm.overlap import moe_gemm
+
+    for fn in (moe_gemm._gate_up_kernel, moe_gemm._down_grad_kernel, moe_gemm._scatter_kernel):
+        try:
+            for cache in getattr(fn, "device_caches", {}).values():
+                for kernel in cache[0].values():
+                    kernel._init_handles()
+                    consts = {k: v for k, v in getattr(kernel, "constants", {}).items() if "BLOCK" in str(k)}
+                    SUMMARY.append(f"{fn.__name__}: regs {kernel.n_regs} spills {kernel.n_spills} shared "
+                                   f"{kernel.metadata.shared} warps {kernel.metadata.num_warps} {consts}")
+        except Exception as err:  # noqa: BLE001
+            SUMMARY.append(f"{fn.__name__}: no resource counts ({type(err).__name__}: {err})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--large", action="store_true", help="also the pretraining preset's layer (bf16)")
@@ -270,6 +286,7 @@ def main():
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             SUMMARY.append(f"pretrain/default raised {type(err).__name__}: {str(err)[:300]}")
+    _compiled_resources()
     print("\n== fused_moe_probe summary", flush=True)
     for line in SUMMARY:
         print("  " + line, flush=True)
