@@ -14,7 +14,8 @@ _GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_PAD=64, ACC=tl.float32, PRE
 
 # int arguments that are multiples of 16 at the bench's shapes (hidden, ffn, max tokens, slots, strides): Triton
 # specialises them so at launch, and the gathers' vector width (16-byte cp.async, pipelined) depends on it
-_ALIGNED = ("H", "F", "M", "S", "KA", "N", "stride_we", "stride_wk", "stride_wf", "stride_am", "stride_w")
+_ALIGNED = ("H", "F", "M", "S", "KA", "N", "UP", "stride_xm", "stride_gm", "stride_we", "stride_wk", "stride_wf",
+            "stride_am", "stride_w")
 
 
 def _case(kernel, pointers: dict, constexprs: dict, wide=("seq", "stride_we")):
@@ -38,11 +39,12 @@ def gpu_compile_cases() -> list:
                                   "counter_ptr": _P32},
               dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_H=256, HAS_COEF=True, HAS_VALUES=True,
                    ACC=tl.float32)),
-        _case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16, "x_out_ptr": _BF16,
-                                   "row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32},
-              dict(_GEMM, BLOCK_W=8, SAVE_X=True)),
-        _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16, "g_out_ptr": _BF16,
-                                     "row_gw_ptr": _F32}, dict(_GEMM, BLOCK_N=64, BLOCK_W=8)),  # grad_block_n
+        _case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16,
+                                   "x_rows_ptr": _BF16, "row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32},
+              dict(_GEMM, BLOCK_W=8)),
+        _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16,
+                                     "g_rows_ptr": _BF16, "act_w_ptr": _BF16, "row_gw_ptr": _F32},
+              dict(_GEMM, BLOCK_N=64, BLOCK_W=8)),  # BLOCK_N: FusedMoEConfig.grad_block_n
         _case(mg._scatter_kernel, {"a_ptr": _BF16, "w_ptr": _BF16, "offs_ptr": _P32, "row_pair_ptr": _P32,
                                    "row_src_ptr": _P32, "vals_ptr": _F32, "back_ptr": _BF16,
                                    "back_w_ptr": _F32, "flags_ptr": _P64, "consumed_ptr": _P64},

@@ -62,19 +62,22 @@ _P2 = triton.next_power_of_2
 @dataclass(frozen=True)
 class FusedMoEConfig:
     """gemm: the GEMM kernels' tiles (BLOCK_M rows per item, BLOCK_N output / BLOCK_K reduction columns per
-    step), warps and pipeline stages (GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used); grad_block_n:
+    step), warps and pipeline stages (GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used); wgrad: the
+    weight gradients' grouped GEMM config (fp32 / fp64 need smaller tiles than grouped.py's); grad_block_n:
     BLOCK_N of the down-projection backward (its SwiGLU epilogue also holds h's gate and up tiles: at 128
     columns ptxas spills); block_h: columns per step of the row copies (send, reduce)."""
 
     gemm: GemmConfig = GemmConfig(128, 128, 64, 8, 8, 3, 1, False)
     grad_block_n: int = 64
     block_h: int = 256
+    wgrad: Optional[GemmConfig] = None  # the weight gradients' grouped GEMM (None: grouped.py's default)
 
     @staticmethod
     def for_device(device: torch.device, hidden: int, dtype: torch.dtype = torch.bfloat16) -> "FusedMoEConfig":
         if device.type == "cuda":
             if dtype in (torch.float32, torch.float64):  # IEEE FMA path: small tiles (shared memory, registers)
-                return FusedMoEConfig(GemmConfig(64, 64, 32, 8, 4, 3, 1, False), 64)
+                small = GemmConfig(64, 64, 32, 8, 4, 3, 1, False)
+                return FusedMoEConfig(small, 64, wgrad=small)
             return FusedMoEConfig()
         # the interpreter: few, large programs and small tiles
         return FusedMoEConfig(GemmConfig(16, 32, 32, 1, 1, 1, 1, False), 32, min(256, _P2(hidden)))
@@ -225,6 +228,20 @@ class FusedMoEWorkspace:
         team = self.team
         _release_kernel[(1,)](self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
 
+    def _rows_buffer(self, rows: int, cols: int) -> torch.Tensor:
+        """[rows, cols] of the data type with a 16-byte aligned row stride (a TMA operand)."""
+        pad = max(1, 16 // self.dtype.itemsize)
+        return torch.empty((rows, triton.cdiv(cols, pad) * pad), dtype=self.dtype, device=self.device)[:, :cols]
+
+    def _wgrad(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """[E_l, A, B]: a[rows of e]^T @ b[rows of e] per local expert."""
+        E_L = self.num_local_experts
+        if self.dtype == torch.float64 and self.device.type == "cuda":
+            # grouped._wgrad_kernel's fp64 dot needs out_dtype on Triton 3.6: torch per expert (one host read)
+            counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long()).tolist()
+            return torch.stack([p.T @ q for p, q in zip(a.split(counts), b.split(counts))])
+        return _wgrad(a, b, offs, E_L, self.cfg.wgrad)
+
     def _gemm_args(self, tiles: int, block_n: Optional[int] = None):
         g = self.cfg.gemm
         return (num_programs(tiles, self.device),), dict(
@@ -278,22 +295,22 @@ class FusedMoEWorkspace:
         rows = max(R, 1)  # kernels and descriptors get at least one row
         h = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
         act = torch.empty((rows, F), dtype=self.dtype, device=dev)
-        x_rows = torch.empty((rows, H), dtype=self.dtype, device=dev) if save else None
+        x_rows = self._rows_buffer(rows, H)  # the GEMM's A operand (TMA), kept for w_gate_up's gradient
         row_pair, row_src = (torch.empty(rows, dtype=torch.int32, device=dev) for _ in range(2))
         row_w = torch.empty(rows, dtype=torch.float32, device=dev)
-        w_gu, _ = tma_operand(w_gate_up)
+        w_gu, up = _gate_up_operand(w_gate_up, F)
         grid, kw = self._gemm_args(self._tiles(R))
         _gate_up_kernel[grid](
-            st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, self._ptr(x_rows, self.dtype), row_pair, row_src,
-            row_w, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
-            self.max_tokens * K, K, w_gu.stride(0), w_gu.stride(1), BLOCK_W=_P2(self.world_size), SAVE_X=save, **kw)
+            st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R,
+            H, F, self.num_local_experts, self.world_size, self.max_tokens, self.max_tokens * K, K, x_rows.stride(0),
+            w_gu.stride(0), w_gu.stride(1), up, BLOCK_W=_P2(self.world_size), **kw)
         self._release_stage()
         self._scatter_back(act, w_down, offs, row_pair, row_src, R, None, b_trans=False)
         out, _ = self._reduce(topk, T, weights, with_values=False)
         if lo < -1 or hi >= self.num_experts:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"fused_moe: topk_idx values must be in [-1, {self.num_experts}), got min {lo}, max {hi}")
         saved = FusedMoESaved(T, topk, slots, plan, offs, row_pair[:R], row_src[:R], row_w[:R],
-                              None if x_rows is None else x_rows[:R], h[:R], act[:R])
+                              x_rows[:R] if save else None, h[:R], act[:R])
         return out, saved
 
     def backward(self, s: FusedMoESaved, grad_out: torch.Tensor, w_gate_up, w_down, need_gate_up: bool = True,
@@ -307,18 +324,20 @@ class FusedMoEWorkspace:
         self._send(grad_out, s.topk_idx, None, s.slots)
         rows = max(R, 1)
         dh = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
-        g_rows = torch.empty((rows, H), dtype=self.dtype, device=dev)
+        g_rows = self._rows_buffer(rows, H)
+        act_w = torch.empty((rows, F), dtype=self.dtype, device=dev)
         row_gw = torch.empty(rows, dtype=torch.float32, device=dev)
         w_dn, _ = tma_operand(w_down)
         grid, kw = self._gemm_args(self._tiles(R), self.cfg.grad_block_n)
         _down_grad_kernel[grid](
             st.stage, st.words, w_dn, s.plan, s.offs, self._ptr(s.row_w, torch.float32), self._ptr(s.h, self.dtype),
-            dh, g_rows, row_gw, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
-            self.max_tokens * self.topk, self.topk, w_dn.stride(0), w_dn.stride(1), BLOCK_W=_P2(self.world_size), **kw)
+            dh, g_rows, act_w, row_gw, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
+            self.max_tokens * self.topk, self.topk, g_rows.stride(0), w_dn.stride(0), w_dn.stride(1),
+            BLOCK_W=_P2(self.world_size), **kw)
         self._release_stage()
         E_L = self.num_local_experts
-        grad_w_down = _wgrad(s.act, g_rows[:R], s.offs, E_L, None) if need_down else None
-        grad_w_gate_up = _wgrad(s.x_rows, dh[:R], s.offs, E_L, None) if need_gate_up else None
+        grad_w_down = self._wgrad(act_w[:R], g_rows[:R], s.offs) if need_down else None  # (w act)^T @ g
+        grad_w_gate_up = self._wgrad(s.x_rows, dh[:R], s.offs) if need_gate_up else None
         self._scatter_back(dh, w_gate_up, s.offs, s.row_pair, s.row_src, R, row_gw, b_trans=True)
         grad_x, grad_w = self._reduce(s.topk_idx, s.num_tokens, None, with_values=True)
         return grad_x, grad_w, grad_w_gate_up, grad_w_down
@@ -339,6 +358,21 @@ class _FusedMoE(torch.autograd.Function):
         grad_x, grad_w, grad_gu, grad_down = ctx.ws.backward(ctx.saved, grad_out, w_gate_up, w_down, need[2], need[3])
         return grad_x if need[0] else None, grad_w.to(ctx.weights_dtype) if need[1] else None, grad_gu, grad_down, \
             None, None
+
+
+def _gate_up_operand(w_gate_up: torch.Tensor, F: int):
+    """(w, up): w_gate_up as the gate_up kernel reads it (unit column stride, aligned rows) and the element offset
+    of its up columns. Gate and up columns get one TMA descriptor each, so the up columns must start 16-byte
+    aligned: where F * itemsize is not a multiple of 16, a copy with each half padded."""
+    pad = max(1, 16 // w_gate_up.element_size())
+    if F % pad == 0:
+        w, _ = tma_operand(w_gate_up)
+        return w, F
+    E_L, H = w_gate_up.shape[0], w_gate_up.shape[1]
+    Fp = triton.cdiv(F, pad) * pad
+    w = w_gate_up.new_zeros((E_L, H, 2, Fp))
+    w[..., :F] = w_gate_up.reshape(E_L, H, 2, F)
+    return w.view(E_L, H, 2 * Fp), Fp
 
 
 def _check_weights(ws: FusedMoEWorkspace, x, w_gate_up, w_down) -> None:

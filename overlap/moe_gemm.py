@@ -4,18 +4,21 @@ Rows are expert-major as a Dispatcher gives them (local expert, then source rank
 expert e's rows are [offs[e-1], offs[e]) and source s's rows of e start at plan[W + 1 + e * W + s] (the
 route kernel's plan). Every kernel is persistent: programs walk items pid, pid + nprog, ..., one item per
 BLOCK_M rows of one expert (the loop over output column tiles is inside, so a row tile's rows are finished,
-and signalled, by one program). Weights are read by TMA descriptors; rows that arrive from other ranks by
-index (pointer gathers): the expert-major copy of the tokens is never built before the GEMM.
+and signalled, by one program). Rows that arrive from other ranks are read by index once per row tile and
+copied into the row buffer the weight gradient needs anyway; every product then reads both operands by TMA
+(`_tile_dot`, the tile GEMM's main loop: one dot per step; a proxy fence makes the program's own row stores
+visible to its TMA reads). On sm_90 with Triton 3.6 a pointer-gathered dot operand (cp.async-pipelined) gave
+wrong products: the up half of gate_up, scattered elements of the down-projection backward.
 
 * `_gate_up_kernel` (forward GEMM1): for each row tile, wait for its rows' words (moe_comm.py send: flag
-  and pair index), gather the staged token rows, h = x @ w_gate_up[e] ([gate | up], two accumulators), and
-  the SwiGLU epilogue act = silu(g) * u. Writes h [R, 2F] and act [R, F] (what the backward needs), each
-  row's pair index, source rank and routing weight, and with SAVE_X the gathered rows [R, H] (for the
-  weight gradient).
-* `_down_grad_kernel` (backward of GEMM2 + SwiGLU): the same waits and gathers over the token gradients
-  g that the sources sent; d_act = w * (g @ w_down[e]^T), dh = SwiGLU backward (h from the forward);
-  grad_w of each row = sum_f (g @ w_down[e]^T)[f] * act[f] (= <g, y>, the routing weight's gradient);
-  also the scaled rows w * g [R, H] (for w_down's gradient).
+  and pair index), copy the staged token rows into x_rows [R, H], h = x @ w_gate_up[e] (gate and up columns
+  through two descriptors, UP elements apart, so no box straddles them), and the SwiGLU epilogue
+  act = silu(g) * u. Writes h [R, 2F] and act [R, F] (what the backward needs) and each row's pair index,
+  source rank and routing weight.
+* `_down_grad_kernel` (backward of GEMM2 + SwiGLU): the same waits over the token gradients g that the
+  sources sent, copied into g_rows [R, H]; d_act = w * (g @ w_down[e]^T), dh = SwiGLU backward (h from the
+  forward); grad_w of each row = sum_f (g @ w_down[e]^T)[f] * act[f] (= <g, y>, the routing weight's
+  gradient); also act_w = w * act [R, F] (w_down's gradient is act_w^T @ g per expert).
 * `_scatter_kernel` (forward GEMM2, backward of GEMM1): y = a @ w[e] (w[e]^T with B_TRANS), rounded to the
   data type as the unfused grouped GEMM's output, stored straight into the source rank's back[t * K + k] (the
   source applies the routing weight as it sums: moe_comm.py reduce; with HAS_VALS one float per row into its
@@ -32,7 +35,7 @@ from tilecomm.dispatch._device import peer_offset, wait_all
 
 from .grouped import _expert_table, _pick
 from .moe_comm import wait_words
-from .tiles import b_desc3, desc3, split_cols, tile_product_acc
+from .tiles import b_desc3, desc3, proxy_fence, split_cols
 
 
 @triton.jit
@@ -61,10 +64,33 @@ def _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W: t
 
 
 @triton.jit
-def _gather(stage_ptr, staged, ok, k, H, BLOCK_K: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] columns k.. of the staged rows (zero past H and for masked rows)."""
-    cols = k + tl.arange(0, BLOCK_K)
-    return tl.load(stage_ptr + staged[:, None] * H + cols[None, :], mask=ok[:, None] & (cols < H)[None, :], other=0.0)
+def _copy_rows(stage_ptr, staged, rows_ptr, r, ok, H, stride, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rows[r] = stage[staged] ([H] each, where ok), then a proxy fence and a barrier: this program's TMA
+    reads of rows r see the stores."""
+    for k in range(0, H, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        m = ok[:, None] & (cols < H)[None, :]
+        v = tl.load(stage_ptr + staged[:, None] * H + cols[None, :], mask=m)
+        tl.store(rows_ptr + r[:, None].to(tl.int64) * stride + cols[None, :], v, mask=m)
+    proxy_fence(tl.full((), 0, tl.int32))
+    tl.debug_barrier()
+
+
+@triton.jit
+def _tile_dot(a_desc, off_m, b_desc, e, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """ACC [BLOCK_M, BLOCK_N] = A[off_m:+BLOCK_M, :K] @ B_e[:, off_n:+BLOCK_N] (B_e [K, N], or read from [N, K]
+    with B_TRANS), zero past the edges; A's descriptor is [1, rows, K]. out_dtype=ACC: fp64 data accumulates
+    in fp64 (Triton 3.6 asserts otherwise)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([0, off_m, k * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
+        if B_TRANS:
+            b = b_desc.load([e, off_n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = b_desc.load([e, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+    return acc
 
 
 @triton.jit
@@ -76,34 +102,30 @@ def _store_cols(ptr, r, ok, stride, c0, n, limit, vals, BLOCK_N: tl.constexpr):
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
-def _gate_up_kernel(stage_ptr, words_ptr, pair_w_ptr, w_ptr, plan_ptr, offs_ptr, h_ptr, act_ptr, x_out_ptr,
-                    row_pair_ptr, row_src_ptr, row_w_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_we, stride_wk,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                    E_PAD: tl.constexpr, SAVE_X: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+def _gate_up_kernel(stage_ptr, words_ptr, pair_w_ptr, w_ptr, plan_ptr, offs_ptr, h_ptr, act_ptr, x_rows_ptr,
+                    row_pair_ptr, row_src_ptr, row_w_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_xm, stride_we,
+                    stride_wk, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_W: tl.constexpr, E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """w [E_l, H, *]: gate columns from 0, up columns from UP (elements; 16-byte aligned), F of each."""
     dtype = h_ptr.dtype.element_ty
-    w_desc = desc3(w_ptr, E_L, H, 2 * F, stride_we, stride_wk, BLOCK_K, BLOCK_N)
+    rows = tl.maximum(R, 1)
+    x_desc = desc3(x_rows_ptr, 1, rows, H, tl.cast(rows, tl.int64) * stride_xm, stride_xm, BLOCK_M, BLOCK_K)
+    gate_desc = desc3(w_ptr, E_L, H, F, stride_we, stride_wk, BLOCK_K, BLOCK_N)
+    up_desc = desc3(w_ptr + UP, E_L, H, F, stride_we, stride_wk, BLOCK_K, BLOCK_N)
     starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
     for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
-        e, _, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
+        e, off_m, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
         pair, src, staged, at = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
         tl.store(row_pair_ptr + r, pair.to(tl.int32), mask=ok)
         tl.store(row_src_ptr + r, src, mask=ok)
         tl.store(row_w_ptr + r, tl.load(pair_w_ptr + at, mask=ok, other=0.0), mask=ok)
+        _copy_rows(stage_ptr, staged, x_rows_ptr, r, ok, H, stride_xm, BLOCK_M, BLOCK_K)
         for n in range(0, F, BLOCK_N):
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-            for k in range(0, H, BLOCK_K):
-                a = _gather(stage_ptr, staged, ok, k, H, BLOCK_K)
-                if SAVE_X:
-                    if n == 0:
-                        _store_cols(x_out_ptr, r, ok, H, 0, k, H, a, BLOCK_K)
-                # gate columns past F read up columns: those outputs are never stored
-                acc_g = tl.dot(a, w_desc.load([e, k, n]).reshape(BLOCK_K, BLOCK_N), acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, w_desc.load([e, k, F + n]).reshape(BLOCK_K, BLOCK_N), acc_u,
-                               input_precision=PRECISION)
+            acc_g = _tile_dot(x_desc, off_m, gate_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, False, PRECISION, ACC)
             g = acc_g.to(dtype)  # h is rounded as the unfused grouped GEMM rounds it; SwiGLU reads it so
-            u = acc_u.to(dtype)
             _store_cols(h_ptr, r, ok, 2 * F, 0, n, F, g, BLOCK_N)
+            acc_u = _tile_dot(x_desc, off_m, up_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, False, PRECISION, ACC)
+            u = acc_u.to(dtype)
             _store_cols(h_ptr, r, ok, 2 * F, F, n, F, u, BLOCK_N)
             gf = g.to(ACC)
             silu = (gf * tl.sigmoid(gf)).to(dtype).to(ACC)  # rounded as torch's silu of the data type
@@ -111,10 +133,10 @@ def _gate_up_kernel(stage_ptr, words_ptr, pair_w_ptr, w_ptr, plan_ptr, offs_ptr,
 
 
 @triton.jit
-def _swiglu_backward(acc, wt, h_ptr, dh_ptr, r, ok, F, n, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+def _swiglu_backward(acc, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     """Columns n.. of rows r: acc [BLOCK_M, BLOCK_N] = g @ w_down^T there. Stores dh (gate and up columns) for
-    d_act = w * acc, rounded as torch's SwiGLU backward in the data type rounds; returns sum_f acc * act (act
-    as the forward stored it) per row."""
+    d_act = w * acc, rounded as torch's SwiGLU backward in the data type rounds, and act_w = w * act; returns
+    sum_f acc * act (act as the forward stored it) per row."""
     dtype = dh_ptr.dtype.element_ty
     cols = n + tl.arange(0, BLOCK_N)
     cm = ok[:, None] & (cols < F)[None, :]
@@ -123,38 +145,36 @@ def _swiglu_backward(acc, wt, h_ptr, dh_ptr, r, ok, F, n, BLOCK_N: tl.constexpr,
     u = tl.load(h_ptr + at + F, mask=cm, other=0.0).to(ACC)
     sig = tl.sigmoid(g)
     silu = (g * sig).to(dtype).to(ACC)
-    gw = tl.sum(acc * (silu * u).to(dtype).to(ACC), axis=1)
+    act = (silu * u).to(dtype).to(ACC)
+    _store_cols(act_w_ptr, r, ok, F, 0, n, F, act * wt[:, None], BLOCK_N)
     d_act = (acc * wt[:, None]).to(dtype).to(ACC)
     d_silu = (d_act * u).to(dtype).to(ACC)  # d_act * up, rounded, then silu's derivative
     _store_cols(dh_ptr, r, ok, 2 * F, 0, n, F, d_silu * sig * (1.0 + g * (1.0 - sig)), BLOCK_N)
     _store_cols(dh_ptr, r, ok, 2 * F, F, n, F, d_act * silu, BLOCK_N)
-    return gw
+    return tl.sum(acc * act, axis=1)
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
-def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr, h_ptr, dh_ptr, g_out_ptr,
-                      row_gw_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_we, stride_wf,
+def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr, h_ptr, dh_ptr, g_rows_ptr,
+                      act_w_ptr, row_gw_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_gm, stride_we, stride_wf,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                       E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
-    dtype = dh_ptr.dtype.element_ty
+    rows = tl.maximum(R, 1)
+    g_desc = desc3(g_rows_ptr, 1, rows, H, tl.cast(rows, tl.int64) * stride_gm, stride_gm, BLOCK_M, BLOCK_K)
     w_desc = desc3(w_ptr, E_L, F, H, stride_we, stride_wf, BLOCK_N, BLOCK_K)  # w_down [E_l, F, H], read transposed
     starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
     for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
-        e, _, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
+        e, off_m, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
         _, _, staged, _ = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
         wt = tl.load(row_w_ptr + r, mask=ok, other=0.0).to(ACC)
+        _copy_rows(stage_ptr, staged, g_rows_ptr, r, ok, H, stride_gm, BLOCK_M, BLOCK_K)
         gw = tl.zeros((BLOCK_M,), ACC)
         for n in range(0, F, BLOCK_N):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-            for k in range(0, H, BLOCK_K):
-                a = _gather(stage_ptr, staged, ok, k, H, BLOCK_K)
-                if n == 0:  # the rows w * g: w_down's gradient is act^T @ (w * g) per expert
-                    _store_cols(g_out_ptr, r, ok, H, 0, k, H, a.to(ACC) * wt[:, None], BLOCK_K)
-                acc = tl.dot(a, w_desc.load([e, n, k]).reshape(BLOCK_N, BLOCK_K).T, acc, input_precision=PRECISION)
+            acc = _tile_dot(g_desc, off_m, w_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION, ACC)
             # the epilogue in two column halves (registers: h's gate and up columns are loaded for it)
             acc0, acc1 = split_cols(acc, BLOCK_M, BLOCK_N)
-            gw += _swiglu_backward(acc0, wt, h_ptr, dh_ptr, r, ok, F, n, BLOCK_N // 2, ACC)
-            gw += _swiglu_backward(acc1, wt, h_ptr, dh_ptr, r, ok, F, n + BLOCK_N // 2, BLOCK_N // 2, ACC)
+            gw += _swiglu_backward(acc0, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n, BLOCK_N // 2, ACC)
+            gw += _swiglu_backward(acc1, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n + BLOCK_N // 2, BLOCK_N // 2, ACC)
         tl.store(row_gw_ptr + r, gw.to(row_gw_ptr.dtype.element_ty), mask=ok)
 
 
@@ -176,8 +196,7 @@ def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr,
         src = tl.load(row_src_ptr + r, mask=ok, other=0)
         dst = peer_offset(back_ptr, src, ALIGN) + pair * N  # element offsets of the rows on their sources
         for n in range(0, N, BLOCK_N):
-            acc = tile_product_acc(a_desc, 0, off_m, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, PRECISION,
-                                   ACC)
+            acc = _tile_dot(a_desc, off_m, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, PRECISION, ACC)
             y = acc.to(dtype)  # rounded as the unfused grouped GEMM's output
             cols = n + tl.arange(0, BLOCK_N)
             tl.store(back_ptr + dst[:, None] + cols[None, :], y, mask=ok[:, None] & (cols < N)[None, :])

@@ -12,9 +12,9 @@ path's own inputs of that stage (so the first wrong stage is the one that prints
     x_rows   the gathered rows = x[token of each row] (exact)
     h        x_rows @ w_gate_up[e]              act   silu(h_gate) * h_up (from the fused h)
     out      sum over the token's rows of w * (act @ w_down[e])  (from the fused act)
-    g_rows   w * grad_out[token]                dh    SwiGLU backward of w * (grad_out @ w_down[e]^T)
+    g_rows   grad_out[token]   act_w  w * act    dh    SwiGLU backward of w * (grad_out @ w_down[e]^T)
     grad_w   <grad_out[token], act @ w_down[e]> grad_x sum over rows of dh @ w_gate_up[e]^T
-    dw_down / dw_gate_up: act^T @ g_rows, x_rows^T @ dh per expert
+    dw_down / dw_gate_up: act_w^T @ g_rows, x_rows^T @ dh per expert
     e2e      every output against fused_moe_reference (the unfused Dispatcher path)
 
 A failing stage lists its worst rows with (expert, row inside the expert, row inside its BLOCK_M tile) and
@@ -166,8 +166,10 @@ def _case(size, dtype, cfg, label):
     stages.append(("out", _rows_report("out", out, out_want, None, None, bm, tol)))
     go = grad_out.to(f64)[tok]
     if len(captured) == 2:
-        (act_c, g_rows), (xr_c, dh) = captured
-        stages.append(("g_rows", _rows_report("g_rows", g_rows, go * s.row_w.to(f64)[:, None], ex, offs, bm, tol)))
+        (act_w, g_rows), (xr_c, dh) = captured
+        stages.append(("g_rows", _rows_report("g_rows", g_rows, go, ex, offs, bm, tol)))
+        stages.append(("act_w", _rows_report("act_w", act_w, s.act.to(f64) * s.row_w.to(f64)[:, None], ex, offs, bm,
+                                             tol)))
         d_act = torch.bmm(go[:, None, :], w_dn.to(f64)[ex].transpose(1, 2))[:, 0] * s.row_w.to(f64)[:, None]
         sig = torch.sigmoid(hg)
         dh_want = torch.cat([d_act * hu * sig * (1 + hg * (1 - sig)), d_act * hg * sig], 1)
@@ -184,7 +186,7 @@ def _case(size, dtype, cfg, label):
         gx_want = torch.zeros(T, H, dtype=f64, device=dev).index_add_(0, tok, gx_rows)
         stages.append(("grad_x", _rows_report("grad_x", gx, gx_want, None, None, bm, tol)))
         counts = torch.bincount(ex, minlength=E).tolist()
-        dn_want = torch.stack([a.T @ b for a, b in zip(s.act.to(f64).split(counts), g_rows.to(f64).split(counts))])
+        dn_want = torch.stack([a.T @ b for a, b in zip(act_w.to(f64).split(counts), g_rows.to(f64).split(counts))])
         gu_want = torch.stack([a.T @ b for a, b in zip(xr.split(counts), dh.to(f64).split(counts))])
         stages.append(("dw_down", _rows_report("dw_down", g_dn.flatten(0, 1), dn_want.flatten(0, 1), None, None, bm, tol)))
         stages.append(("dw_gate_up", _rows_report("dw_gate_up", g_gu.flatten(0, 1), gu_want.flatten(0, 1), None, None,
