@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -138,11 +139,16 @@ def _case(size, dtype, cfg, label):
     real_wgrad = moe_fused._wgrad
     moe_fused._wgrad = lambda a, b, *rest: captured.append((a, b)) or real_wgrad(a, b, *rest)
     stages = []
+    t0 = time.time()
     try:
         out, s = ws.forward(x, idx, w, w_gu, w_dn, save=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"  (forward done after {time.time() - t0:.1f} s, compiles included)", flush=True)
         gx, gw, g_gu, g_dn = ws.backward(s, grad_out, w_gu, w_dn)
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        print(f"  (backward done after {time.time() - t0:.1f} s)", flush=True)
     finally:
         moe_fused._wgrad = real_wgrad
     bm = cfg.gemm.BLOCK_M
