@@ -15,8 +15,9 @@ in the same order, the same roundings where the unfused path rounds), in six lau
     route    the Dispatcher's route kernel (dispatch/normal.py): plan of rows per (local expert, source)
     send     moe_comm.py: each token row once per destination rank, then per pair a word that says
              "row (local expert, source, slot) is here" (per-row signals)
-    gate_up  moe_gemm.py: waits per row tile for its rows, gathers them from the staging buffer by index,
-             h = x @ w_gate_up with the SwiGLU epilogue
+    gate_up  moe_gemm.py: waits per row tile for its rows, gathers them from the staging buffer by index
+             into x_rows (the operand w_gate_up's gradient needs), h = x @ w_gate_up by TMA with the
+             SwiGLU epilogue
     release  consumed signal: the staging buffer may be overwritten
     down     moe_gemm.py: y = act @ w_down stored straight into the source rank's back buffer at (token, k),
              flag per row
@@ -25,7 +26,7 @@ in the same order, the same roundings where the unfused path rounds), in six lau
 
 Backward, the same way: send of grad_out (combine's gradient is a dispatch) -> `_down_grad_kernel` (gathered
 rows @ w_down^T, SwiGLU backward, routing-weight gradients <g, y> per row) -> release -> weight gradients as
-grouped GEMMs (grouped.py `_wgrad`: w_down from act and w * g, w_gate_up from the gathered x and dh) ->
+grouped GEMMs (grouped.py `_wgrad`: w_down from w * act and the gathered g, w_gate_up from x_rows and dh) ->
 `_scatter_kernel` of dh @ w_gate_up^T into the sources (dispatch's gradient is a combine) -> reduce (grad_x
 and the routing-weight gradients).
 
