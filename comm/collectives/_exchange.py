@@ -92,12 +92,10 @@ def _copy(dst_ptr, dst_off, src_ptr, src_off, n, BLOCK: tl.constexpr, VEC: tl.co
 
 @jit
 def _chunk_size(count, P, CHUNK: tl.constexpr):
-    """Elements per chunk of a `count`-element pair: spread over all P programs (chunks of at least 512
-    elements, at most CHUNK, a ring slot); a multiple of 512 (so of 16 bytes). Rounding finer than the
-    first version's 2048 keeps every program busy on small pairs (128 x 7168 bf16 over 132 programs: 128
-    chunks of 7168 elements instead of 112 of 8192)."""
+    """Elements per chunk of a `count`-element pair: spread over all P programs when that keeps chunks
+    of at least 2048 elements, at most CHUNK (a ring slot); a multiple of 2048 (so of 16 bytes)."""
     per_program = (count + P - 1) // P
-    return tl.minimum(tl.maximum((per_program + 511) // 512, 1) * 512, CHUNK)
+    return tl.minimum(tl.maximum((per_program + 2047) // 2048, 1) * 2048, CHUNK)
 
 
 @jit
