@@ -76,11 +76,10 @@ class CollectiveState:
     _graph_tables: List[torch.Tensor] = field(default_factory=list)  # tables of captured calls, kept for replays
     _next_table: "itertools.count" = field(default_factory=itertools.count)
     _last_table: int = 0
-    # fixed per runtime, read on every call: the heap's base address and size, the heap as bytes, the
-    # error record, the all_to_all / all_gather grid, whether this is a CPU rank
+    # fixed per runtime, read on every call: the heap's base address and size, the error record,
+    # the all_to_all / all_gather grid, whether this is a CPU rank
     _heap_base: int = 0
     _heap_bytes: int = 0
-    _heap_u8: Optional[torch.Tensor] = None
     _error: Optional[torch.Tensor] = None
     _pairs_grid: Tuple[int] = (1,)
     _on_cpu: bool = True
@@ -120,8 +119,7 @@ class CollectiveState:
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
                    _ring_offset=heap.offset_of(ring), _table_views=[tables[i] for i in range(TABLE_SLOTS)],
                    _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(), _heap_base=heap.local.data_ptr(),
-                   _heap_bytes=heap.local.numel() * heap.local.element_size(), _heap_u8=heap.local.view(torch.uint8),
-                   _error=ctx.device_state.error, _pairs_grid=(W * P,), _on_cpu=not on_gpu)
+                   _heap_bytes=heap.local.numel() * heap.local.element_size(), _error=ctx.device_state.error, _pairs_grid=(W * P,), _on_cpu=not on_gpu)
 
     def free(self) -> None:
         """Return the heap space (finalize does it; the state is unusable afterwards)."""
@@ -129,7 +127,7 @@ class CollectiveState:
         for t in (self.ring, self.words):
             if heap.local is not None:
                 heap.release(heap.offset_of(t))
-        self.ring = self.words = self._heap_u8 = self._error = None
+        self.ring = self.words = self._error = None
         self._heap_views = {}
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -207,7 +205,7 @@ class CollectiveState:
         key = ("pairs", elem, aligned, even, gather, in_place)
         self._pairs.launch(
             self._pairs_grid, (src.dtype, out.dtype) + key,
-            src, out, self._heap_u8, self.words, table, self._error,
+            src, out, self._heap_views[torch.uint8], self.words, table, self._error,
             self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, **self._launch_config(key))
         if not even:
             self._after_launch()
@@ -229,6 +227,6 @@ class CollectiveState:
             self._raise_mismatch_now()
 
     def _raise_mismatch_now(self) -> None:
-        """CPU ranks ran the kernel already: raise what it recorded at once (GPUs: at the next call)."""
-        if self.ctx.backend == "cpu":
-            self.ctx.device_state.raise_if_error()
+        """CPU ranks (the only callers) ran the kernel already: raise what it recorded at once (GPUs: at
+        the next call)."""
+        self.ctx.device_state.raise_if_error()
