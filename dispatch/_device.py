@@ -4,6 +4,11 @@
                                   Every program's earlier stores (local and to peers) happen-before
                                   whatever that program does next, e.g. the signal that hands the
                                   buffers to a peer. Resets the counter for the next launch.
+    last_of(counter_ptr, n)       the same among the n programs of a launch that call it (one role).
+    take_ticket(counter_ptr, n)   0, 1, ... n - 1 in the order the launch's n programs start (the
+                                  counter is reset by the last): a program that waits for others of
+                                  its launch takes its role from its ticket, not from its program id,
+                                  so everything it waits for has started (no deadlock on any schedule).
     peer_offset(ptr, pe, ALIGN)   element offset from ptr to the same symmetric object on pe
                                   (vector of pes allowed), with the alignment hint that keeps stores
                                   through it 16-byte vectorised (heaps are page aligned).
@@ -28,14 +33,26 @@ ERR_CAPACITY = tl.constexpr(4)
 
 @triton.jit
 def last_program(counter_ptr):
+    return last_of(counter_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
+
+
+@triton.jit
+def last_of(counter_ptr, n):
     tcl.fence()  # this thread's stores are ordered before the count...
     tl.debug_barrier()  # ...for every thread of the program
-    nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
-    last = old == nprog - 1
+    last = old == n - 1
     if last:
         tl.store(counter_ptr, 0)
     return last
+
+
+@triton.jit
+def take_ticket(counter_ptr, n):
+    ticket = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+    if ticket == n - 1:  # every ticket of this launch is taken
+        tl.store(counter_ptr, 0)
+    return ticket
 
 
 @triton.jit

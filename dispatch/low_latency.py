@@ -1,29 +1,39 @@
 """Low-latency dispatch/combine (decode): fixed capacity, no host synchronisation, CUDA-graph capturable.
 
 E_l local experts, W ranks, M = max_tokens_per_rank = the capacity per (expert, source rank), K top-k,
-H hidden, cap = W * M. Buffers: buffers.low_latency_specs (made once by the Dispatcher).
+H hidden, cap = W * M. Buffers: buffers.low_latency_specs (made once by the Dispatcher). A token's row
+crosses to each destination rank once, however many of that rank's experts it picked; the destination
+expands it to its experts' rows, and in combine reduces them to one partial row per (token, rank),
+which is what crosses back. Dispatch and combine are one launch each (two with `recv_hook`).
 
-dispatch = send kernel + receive kernel (the receive half can be deferred: `recv_hook`):
-- send (programs: token x column chunk): the slot of pair (t, k) = its index among this rank's pairs for
-  that expert (token order, then k); the row goes to its owner r's recv[e_l, me, slot], with its weight
-  and t * K + k (stores through symm_at(., r), r == me included). A slot >= M is never written: the error
-  is recorded (raised at the next call) and the source zeroes that pair's back row. Pairs per expert are
-  counted with integer atomics; the last program SETs count[e_l, me] = epoch * (M + 1) + count on every
-  r (release).
-- receive (programs: local expert x source x column chunk): waits for the counts of its expert from all
-  sources, copies the (expert, source) rows to out[e_l, (rows of lower sources) + slot]: expert-major,
-  then source rank, then token, then k. The last program SETs consumed[me] on every source (a sender
-  waits for it before it overwrites a peer's staging rows) and advances the epoch word.
+dispatch (one kernel, two roles; programs take their role from a ticket, see below):
+- send (token x column chunk): the slot of pair (t, k) = its index among this rank's pairs for that
+  expert (token order, then k). The row goes once to each owner r of its pairs, to r's recv[me, t]; the
+  pair's weight and t * K + k go to r's recv_w / recv_src[e_l, me, slot]. A slot >= M is never used:
+  the error is recorded (raised at the next call). Pairs per expert are counted with integer atomics;
+  the last send program SETs count[e_l, me] = epoch * (M + 1) + count on every r (release).
+- receive (local expert x source x column chunk): waits for the counts of its expert from all sources,
+  copies each (expert, source) pair's row from recv[source, t] to out[e_l, (rows of lower sources) +
+  slot]: expert-major, then source rank, then token, then k; records the row in pair_row[source, t, k].
+  The last receive program SETs consumed[me] on every source (a sender waits for it before it overwrites
+  a peer's staging rows) and advances the epoch word.
 
-combine = back kernel + reduce kernel:
-- back (programs: local expert x column chunk): row i of expert e goes to its source's back[t, k].
-  The last program SETs back_ready[me] on every rank.
-- reduce (programs: token x column chunk): out[t] = sum over k (in order) of w[t, k] * back[t, k],
-  fp32, mul then add: combine_pairs_reference's operations. The last program SETs back_consumed[me].
+combine (one kernel, two roles):
+- reduce on the expert side (source x token x column chunk): partial = sum over k (in order) of
+  w * y[pair_row[s, t, k]] (fp32, mul then add, cast to y's dtype) goes to s's back[t, me]. The last
+  program SETs back_ready[me] on every rank.
+- sum on the source (token x column chunk): out[t] = sum over ranks r (in order) of the partial rows
+  that came back: reference.ReferenceEngine.combine's operations, so both agree bit for bit. The last
+  program SETs back_consumed[me] and advances the combine epoch.
+
+Roles: a program's role comes from a ticket taken with an atomic when it starts (first tickets: the
+role that waits for nothing in this launch), not from its program id, so a program that waits was
+started after every program it waits for on its own rank: no deadlock however the hardware schedules
+the grid, and none in the interpreter, which runs programs one after another. With `recv_hook` the
+receive role is launched later as its own grid.
 
 Epochs live in device words (dispatch: epoch[0], combine: epoch[1]) and are advanced by the kernels,
-so nothing reads a device value on the host and the calls can be captured in a CUDA graph. Every kernel
-waits only for earlier launches of peers: CPU ranks (the interpreter) never deadlock.
+so nothing reads a device value on the host and the calls can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -37,16 +47,20 @@ import tilecomm
 import tilecomm.language as tcl
 from tilecomm.jit import CachedLaunch
 
-from ._device import ERR_BAD_EXPERT, ERR_CAPACITY, last_program, peer_offset, record_error, signal_all, wait_all
+from ._device import (ERR_BAD_EXPERT, ERR_CAPACITY, last_of, peer_offset, record_error, signal_all, take_ticket,
+                      wait_all)
 from .buffers import SymmetricState, low_latency_specs, row_bytes
 
 _SIG_CONSUMED, _SIG_BACK_READY, _SIG_BACK_CONSUMED = range(3)
+# counter words (int32, each kernel's own three): ticket, programs done in the first role, in the second
+_DISPATCH_COUNTERS, _COMBINE_COUNTERS = 0, 3
 
 
 @dataclass(frozen=True)
 class LowLatencyConfig:
     """block_h: columns per step; col_programs: column chunks per row (programs per token in send and
-    reduce, per expert in receive and back); block_rows: rows per step in receive / back."""
+    sum, per (expert, source) in receive, per (source, token) in the expert-side reduce); block_rows:
+    rows per step in receive."""
 
     block_h: int = 2048
     col_programs: int = 4
@@ -56,22 +70,49 @@ class LowLatencyConfig:
     @staticmethod
     def for_device(device: torch.device, hidden: int) -> "LowLatencyConfig":
         # GPU: from tests/ll_probe.py (one H100, 128 x 7168, top-8 of 256): 2048 columns per step and at most
-        # 4 column programs per row gave 18/18 µs (send/receive) and 18/11 µs (back/reduce), against 27/20
-        # and 22/14 µs for 1024 columns and 7 programs; 8 warps or more programs were slower
+        # 4 column programs per row were best for the two-kernel design; 8 warps or more programs were slower
         if device.type == "cuda":
             return LowLatencyConfig(col_programs=max(1, min(4, triton.cdiv(hidden, 2048))))
         return LowLatencyConfig(block_h=min(256, triton.next_power_of_2(hidden)), col_programs=1, block_rows=8,
                                 num_warps=1)
 
 
-@tilecomm.jit(do_not_specialize=["T"])
-def _send_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr,
-                 back_ptr, err_ptr, pairs_ptr, counter_ptr, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_H: tl.constexpr,
-                 ALIGN: tl.constexpr):
-    t = tl.program_id(0)
-    me = tcl.rank()
+@tilecomm.jit(do_not_specialize=["T", "N_SEND", "N_RECV"])
+def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr,
+                     err_ptr, pairs_ptr, counter_ptr, out_ptr, out_w_ptr, pair_row_ptr, token_ranks_ptr,
+                     per_expert_ptr, N_SEND, N_RECV, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
+    """Programs: N_SEND senders (token x column chunk), then N_RECV receivers (expert x source x chunk)."""
+    ticket = take_ticket(counter_ptr, N_SEND + N_RECV)
     epoch = tl.load(epoch_ptr) + 1
+    if ticket < N_SEND:
+        _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
+              consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M,
+              H, ROW, K, BLOCK_K, BLOCK_C, BLOCK_W, BLOCK_H, ALIGN)
+        if last_of(counter_ptr + 1, N_SEND):
+            _publish_counts(pairs_ptr, count_ptr, err_ptr, tcl.rank(), epoch, E_L, W, M, BLOCK_EL)
+    else:
+        r = ticket - N_SEND
+        _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
+                 out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, K, BLOCK_R, BLOCK_H)
+        if last_of(counter_ptr + 2, N_RECV):
+            signal_all(consumed_ptr + tcl.rank(), epoch, W)
+            tl.store(epoch_ptr, epoch)
+
+
+@triton.jit
+def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, consumed_ptr, err_ptr, pairs_ptr,
+          pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+          ALIGN: tl.constexpr):
+    me = tcl.rank()
+    # this launch's pair_row (local, read by the receivers after the counts) starts at -1: a stripe each
+    n_map = W * M * K
+    stripe = tl.cdiv(n_map, N_SEND)
+    for c0 in range(p * stripe, tl.minimum(n_map, p * stripe + stripe), BLOCK_C):
+        fc = c0 + tl.arange(0, BLOCK_C)
+        tl.store(pair_row_ptr + fc, tl.full((BLOCK_C,), -1, tl.int32), mask=fc < tl.minimum(n_map, p * stripe + stripe))
     wait_all(consumed_ptr, epoch - 1, W)  # every rank has copied out my previous rows
     kk = tl.arange(0, BLOCK_K)
     km = tl.where(t < T, kk < K, False)  # (scalar & vector masks break the interpreter)
@@ -87,27 +128,29 @@ def _send_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, cou
     if tl.max(bad.to(tl.int32), axis=0) > 0:
         record_error(err_ptr, ERR_BAD_EXPERT, me, t, tl.max(tl.where(bad, ids, -2 ** 62), axis=0), E)
     ok = valid & (slot < M)
-    owner = tl.where(ok, ids // E_L, 0)
-    dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
-    if tl.program_id(1) == 0:
+    owner = tl.where(ok, ids // E_L, -1)
+    # the row goes to each owner once: at the first of that owner's pairs, in k order
+    earlier = (kk[None, :] < kk[:, None]) & (owner[None, :] == owner[:, None])  # [k, k'] with k' < k
+    first = ok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
+    if j == 0:
+        dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
+        to = tl.where(ok, owner, 0)
         tl.atomic_add(pairs_ptr + tl.where(valid, ids, 0), 1, mask=valid)  # pairs per expert (integer: exact)
-        tl.store(recv_w_ptr + peer_offset(recv_w_ptr, owner, 1) + dst, tl.load(w_ptr + f, mask=ok), mask=ok)
-        tl.store(recv_src_ptr + peer_offset(recv_src_ptr, owner, 1) + dst, f.to(tl.int32), mask=ok)
-    to_pe = peer_offset(recv_ptr, owner, ALIGN)
-    over = valid & (slot >= M)
-    for h in range(tl.program_id(1) * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
+        tl.store(recv_w_ptr + peer_offset(recv_w_ptr, to, 1) + dst, tl.load(w_ptr + f, mask=ok), mask=ok)
+        tl.store(recv_src_ptr + peer_offset(recv_src_ptr, to, 1) + dst, f.to(tl.int32), mask=ok)
+        ww = tl.arange(0, BLOCK_W)
+        sent = tl.sum(((owner[:, None] == ww[None, :]) & first[:, None]).to(tl.int32), axis=0)
+        tl.store(token_ranks_ptr + t.to(tl.int64) * W + ww, sent, mask=tl.where(t < T, ww < W, False))
+    at = peer_offset(recv_ptr, tl.where(first, owner, 0), ALIGN) + (me.to(tl.int64) * M + t) * ROW
+    for h in range(j * BLOCK_H, H, CP * BLOCK_H):
         cols = h + tl.arange(0, BLOCK_H)
         cm = cols < H
         v = tl.load(x_ptr + t.to(tl.int64) * H + cols, mask=tl.where(t < T, cm, False))
         for k in tl.static_range(K):
             sel = kk == k
-            ok_k = tl.max((sel & ok).to(tl.int32), axis=0) > 0
-            at = tl.multiple_of(tl.sum(tl.where(sel, to_pe + dst * ROW, 0), axis=0), ALIGN)
-            tl.store(recv_ptr + at + cols, v, mask=tl.where(ok_k, cm, False))
-            over_k = tl.max((sel & over).to(tl.int32), axis=0) > 0  # dropped: combine adds w * 0
-            tl.store(back_ptr + (t.to(tl.int64) * K + k) * ROW + cols, tl.zeros((BLOCK_H,), v.dtype), mask=tl.where(over_k, cm, False))
-    if last_program(counter_ptr):
-        _publish_counts(pairs_ptr, count_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_EL)
+            first_k = tl.max((sel & first).to(tl.int32), axis=0) > 0
+            at_k = tl.multiple_of(tl.sum(tl.where(sel, at, 0), axis=0), ALIGN)
+            tl.store(recv_ptr + at_k + cols, v, mask=tl.where(first_k, cm, False))
 
 
 @triton.jit
@@ -126,15 +169,9 @@ def _publish_counts(pairs_ptr, count_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_E
                    tcl.SIGNAL_SET)
 
 
-@tilecomm.jit
-def _recv_kernel(recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr, out_ptr, out_w_ptr,
-                 row_src_ptr, per_expert_ptr, counter_ptr, W, M, H, ROW, K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
-    el = tl.program_id(0)
-    src = tl.program_id(1)
-    j = tl.program_id(2)
-    me = tcl.rank()
-    epoch = tl.load(epoch_ptr) + 1
+@triton.jit
+def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr, out_w_ptr, pair_row_ptr,
+             per_expert_ptr, epoch, CP, W, M, H, ROW, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     base = epoch * (M + 1)
     offset = tl.zeros((), tl.int64)
     count = tl.zeros((), tl.int64)
@@ -146,89 +183,89 @@ def _recv_kernel(recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, ep
         count = tl.where(r == src, n, count)
     if (src == 0) & (j == 0):
         tl.store(per_expert_ptr + el, total)
-    cap = W * M
-    first = el.to(tl.int64) * cap + offset  # output row of slot 0
+    first = el.to(tl.int64) * W * M + offset  # output row of slot 0
     for i0 in range(0, count, BLOCK_R):
         ii = i0 + tl.arange(0, BLOCK_R)
         im = ii < count
         staged = (el.to(tl.int64) * W + src) * M + ii
+        pair = tl.load(recv_src_ptr + staged, mask=im, other=0)  # t * K + k
         if j == 0:
             tl.store(out_w_ptr + first + ii, tl.load(recv_w_ptr + staged, mask=im), mask=im)
-            tl.store(row_src_ptr + first + ii, src * (M * K) + tl.load(recv_src_ptr + staged, mask=im), mask=im)
-        for h in range(j * BLOCK_H, H, tl.num_programs(2) * BLOCK_H):
+            tl.store(pair_row_ptr + src.to(tl.int64) * M * K + pair, (first + ii).to(tl.int32), mask=im)
+        row = src.to(tl.int64) * M + pair // K
+        for h in range(j * BLOCK_H, H, CP * BLOCK_H):
             cols = h + tl.arange(0, BLOCK_H)
             m = im[:, None] & (cols < H)[None, :]
-            v = tl.load(recv_ptr + staged[:, None] * ROW + cols[None, :], mask=m)
+            v = tl.load(recv_ptr + row[:, None] * ROW + cols[None, :], mask=m)
             tl.store(out_ptr + (first + ii)[:, None] * H + cols[None, :], v, mask=m)
-    if last_program(counter_ptr):
-        signal_all(consumed_ptr + me, epoch, W)
-        tl.store(epoch_ptr, epoch)
 
 
-@tilecomm.jit
-def _back_kernel(y_ptr, row_src_ptr, per_expert_ptr, back_ptr, ready_ptr, consumed_ptr, epoch_ptr, counter_ptr,
-                 W, M, H, ROW, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
-    el = tl.program_id(0)
-    j = tl.program_id(1)
+@tilecomm.jit(do_not_specialize=["T", "N_BACK", "N_SUM"])
+def _combine_kernel(y_ptr, w_ptr, pair_row_ptr, token_ranks_ptr, back_ptr, out_ptr, ready_ptr, consumed_ptr,
+                    epoch_ptr, counter_ptr, N_BACK, N_SUM, CP, T, W, M, H, ROW, K: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
+                    ACC: tl.constexpr):
+    """Programs: N_BACK expert-side reducers (source x token x column chunk), then N_SUM summers (token x chunk)."""
+    ticket = take_ticket(counter_ptr, N_BACK + N_SUM)
     me = tcl.rank()
     epoch = tl.load(epoch_ptr + 1) + 1
-    wait_all(consumed_ptr, epoch - 1, W)  # every source has reduced my previous rows
-    n = tl.load(per_expert_ptr + el)
-    row0 = el.to(tl.int64) * W * M
-    for i0 in range(0, n, BLOCK_R):
-        ii = i0 + tl.arange(0, BLOCK_R)
-        im = ii < n
-        src = tl.load(row_src_ptr + row0 + ii, mask=im, other=0)
-        at = peer_offset(back_ptr, src // (M * K), ALIGN) + (src % (M * K)).to(tl.int64) * ROW
-        for h in range(j * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
+    if ticket < N_BACK:
+        s = ticket // (M * CP)
+        t = (ticket // CP) % M
+        tcl.wait(consumed_ptr + s, epoch - 1, tcl.CMP_GE)  # s has summed my previous partial rows
+        kk = tl.arange(0, BLOCK_K)
+        rows = tl.load(pair_row_ptr + (s.to(tl.int64) * M + t) * K + kk, mask=kk < K, other=-1)
+        if tl.max(rows, axis=0) >= 0:
+            w = tl.load(w_ptr + rows, mask=rows >= 0, other=0.0).to(ACC)
+            at = peer_offset(back_ptr, s, ALIGN) + (t.to(tl.int64) * W + me) * ROW
+            for h in range((ticket % CP) * BLOCK_H, H, CP * BLOCK_H):
+                cols = h + tl.arange(0, BLOCK_H)
+                cm = cols < H
+                acc = tl.zeros((BLOCK_H,), ACC)
+                for k in tl.static_range(K):
+                    sel = kk == k
+                    row_k = tl.sum(tl.where(sel, rows, 0), axis=0)
+                    w_k = tl.sum(tl.where(sel, w, 0.0), axis=0)
+                    v = tl.load(y_ptr + row_k.to(tl.int64) * H + cols, mask=tl.where(row_k >= 0, cm, False), other=0.0)
+                    acc = acc + v.to(ACC) * w_k
+                tl.store(back_ptr + at + cols, acc.to(back_ptr.dtype.element_ty), mask=cm)
+        if last_of(counter_ptr + 1, N_BACK):
+            signal_all(ready_ptr + me, epoch, W)
+    else:
+        p = ticket - N_BACK
+        t = p // CP
+        wait_all(ready_ptr, epoch, W)
+        ww = tl.arange(0, BLOCK_W)
+        sent = tl.load(token_ranks_ptr + t.to(tl.int64) * W + ww, mask=tl.where(t < T, ww < W, False), other=0)
+        for h in range((p % CP) * BLOCK_H, H, CP * BLOCK_H):
             cols = h + tl.arange(0, BLOCK_H)
-            m = im[:, None] & (cols < H)[None, :]
-            v = tl.load(y_ptr + (row0 + ii)[:, None] * H + cols[None, :], mask=m)
-            tl.store(back_ptr + at[:, None] + cols[None, :], v, mask=m)
-    if last_program(counter_ptr):
-        signal_all(ready_ptr + me, epoch, W)
-
-
-@tilecomm.jit(do_not_specialize=["T"])
-def _reduce_kernel(back_ptr, topk_ptr, w_ptr, out_ptr, ready_ptr, consumed_ptr, epoch_ptr, counter_ptr, T, E, W, H,
-                   ROW, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, ACC: tl.constexpr):
-    t = tl.program_id(0)
-    me = tcl.rank()
-    epoch = tl.load(epoch_ptr + 1) + 1
-    wait_all(ready_ptr, epoch, W)
-    kk = tl.arange(0, BLOCK_K)
-    km = tl.where(t < T, kk < K, False)  # (scalar & vector masks break the interpreter)
-    ids = tl.load(topk_ptr + t.to(tl.int64) * K + kk, mask=km, other=-1)
-    valid = km & (ids >= 0) & (ids < E)
-    w = tl.load(w_ptr + t.to(tl.int64) * K + kk, mask=valid, other=0.0).to(ACC)
-    for h in range(tl.program_id(1) * BLOCK_H, H, tl.num_programs(1) * BLOCK_H):
-        cols = h + tl.arange(0, BLOCK_H)
-        cm = cols < H
-        acc = tl.zeros((BLOCK_H,), ACC)
-        for k in tl.static_range(K):
-            sel = kk == k
-            ok_k = tl.max((sel & valid).to(tl.int32), axis=0) > 0
-            w_k = tl.sum(tl.where(sel, w, 0.0), axis=0)
-            v = tl.load(back_ptr + (t.to(tl.int64) * K + k) * ROW + cols, mask=tl.where(ok_k, cm, False), other=0.0).to(ACC)
-            acc = acc + v * w_k
-        tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=tl.where(t < T, cm, False))
-    if last_program(counter_ptr):
-        signal_all(consumed_ptr + me, epoch, W)
-        tl.store(epoch_ptr + 1, epoch)
+            cm = cols < H
+            acc = tl.zeros((BLOCK_H,), ACC)
+            for r in range(0, W):
+                from_r = tl.sum(tl.where(ww == r, sent, 0), axis=0) > 0
+                v = tl.load(back_ptr + (t.to(tl.int64) * W + r) * ROW + cols, mask=tl.where(from_r, cm, False), other=0.0)
+                acc = acc + v.to(ACC)
+            tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=tl.where(t < T, cm, False))
+        if last_of(counter_ptr + 2, N_SUM):
+            signal_all(consumed_ptr + me, epoch, W)
+            tl.store(epoch_ptr + 1, epoch)
 
 
 # ---- host side -------------------------------------------------------------------------------------
 @dataclass
 class LowLatencyHandle:
-    """What combine needs (this rank). topk_idx [T, K] and topk_weights [T, K] float32 (kept); row_src
-    [E_l, cap] int32: source rank * M * K + t * K + k of each received row; tokens_per_expert [E_l] int64
-    (on the device); capacity = W * M; received: whether the receive half ran (see recv_hook)."""
+    """What combine needs (this rank). weights [E_l, cap] float32: res.weights (the weight of each
+    received row); pair_row [W, M, K] int32: the row of res.x holding source s's pair (t, k) (-1: not
+    here); token_ranks [M, W] int32: 1 where this rank's token t went to rank r (first T rows used);
+    tokens_per_expert [E_l] int64 (on the device); capacity = W * M; num_tokens = T; received: whether
+    the receive half ran (see recv_hook)."""
 
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor
-    row_src: torch.Tensor
+    weights: torch.Tensor
+    pair_row: torch.Tensor
+    token_ranks: torch.Tensor
     tokens_per_expert: torch.Tensor
     capacity: int
+    num_tokens: int
     received: bool = True
 
 
@@ -264,24 +301,26 @@ class LowLatencyEngine:
                                     low_latency_specs(W, num_experts, max_tokens, topk, hidden, dtype),
                                     zeroed=("count", "sig", "epoch"))
         self.row_bytes = row_bytes(hidden, dtype)
-        counters = torch.zeros(4, dtype=torch.int32, device=ctx.device)
-        self._ctr = [counters[i:i + 1] for i in range(4)]
+        counters = torch.zeros(6, dtype=torch.int32, device=ctx.device)  # reset by the kernels after each launch
+        self._dispatch_ctr, self._combine_ctr = counters[_DISPATCH_COUNTERS:], counters[_COMBINE_COUNTERS:]
         self._sig = [self.state.sig[i] for i in range(3)]
         self._err = torch.zeros(8, dtype=torch.int64, pin_memory=self.cuda)  # written by the kernels
         self._pairs = torch.zeros(num_experts, dtype=torch.int32, device=ctx.device)  # per expert, cleared after use
         self._err_words = self._err.numpy()
         self._dummies, self._typed_views = {}, {}
         # hot path: launch through the compiled kernels (no per-call Triton binding); keys below
-        self._send, self._recv, self._back, self._reduce = (CachedLaunch(k) for k in (_send_kernel, _recv_kernel,
-                                                                                       _back_kernel, _reduce_kernel))
+        self._dispatch, self._combine = CachedLaunch(_dispatch_kernel), CachedLaunch(_combine_kernel)
         # read on every call: the state's views (attribute lookups through NamedViews cost µs) and each
-        # kernel's constexprs, made once per Dispatcher (ALIGN / ACC depend on the dtype: `_consts`)
-        st, cfg, K = self.state, self.cfg, topk
+        # kernel's constexprs, made once per Dispatcher (ALIGN / ACC depend on the dtype)
+        st, cfg, K, cp = self.state, self.cfg, topk, self.cfg.col_programs
         self._bufs = (st.recv_w, st.recv_src, st.count, st.epoch)
-        common = dict(K=K, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
-        self._send_consts = dict(common, BLOCK_K=_P2(K), BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_EL=_P2(self.E_L))
-        self._recv_consts = dict(common, BLOCK_R=cfg.block_rows)
-        self._reduce_consts = dict(common, BLOCK_K=_P2(K), enable_fp_fusion=False)
+        self._n_recv = self.E_L * W * cp
+        self._n_back = W * max_tokens * cp
+        self._maps = (W * max_tokens * topk, max_tokens * W)  # int32 words of pair_row, token_ranks
+        common = dict(K=K, BLOCK_K=_P2(K), BLOCK_W=_P2(W), BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
+        self._dispatch_consts = dict(common, BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_EL=_P2(self.E_L),
+                                     BLOCK_R=cfg.block_rows)
+        self._combine_consts = dict(common, enable_fp_fusion=False)
 
     def free(self) -> None:
         self.state.free()
@@ -312,36 +351,39 @@ class LowLatencyEngine:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, defer_recv: bool = False):
         """x [T, H], topk_idx [T, K], topk_weights [T, K] -> (x [E_l, cap, H], weights [E_l, cap] float32,
         tokens_per_expert [E_l] int64, LowLatencyHandle, recv_hook or None). With defer_recv only the send
-        kernel is queued; the outputs are filled once recv_hook() has queued the receive kernel."""
+        role is queued; the outputs are filled once recv_hook() has queued the receive role."""
         self.state.check_live()
         self.check_errors()
         W, E_L, M, H = self.W, self.E_L, self.M, self.H
         recv_w, recv_src, count, epoch = self._bufs
         T, cap, dev, cp = x.shape[0], W * M, x.device, self.cfg.col_programs
-        topk, weights = topk_idx.contiguous(), topk_weights.float().contiguous()
+        topk, weights = self._or_dummy(topk_idx.contiguous()), self._or_dummy(topk_weights.float().contiguous())
         recv, row = self._staging("recv", x.dtype)
-        back, _ = self._staging("back", x.dtype)
-        consumed = self._sig[_SIG_CONSUMED]
-        self._send.launch(
-            (max(T, 1), cp), (x.dtype, topk.dtype), self._or_dummy(x), self._or_dummy(topk), self._or_dummy(weights),
-            recv, recv_w, recv_src, count, consumed, epoch, back, self._err, self._pairs, self._ctr[0], T, self.E, E_L,
-            W, M, H, row, ALIGN=16 // x.element_size(), **self._send_consts)
         out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((E_L, cap), dtype=torch.float32, device=dev)
         per_expert = torch.empty(E_L, dtype=torch.int64, device=dev)
-        handle = LowLatencyHandle(topk, weights, torch.empty((E_L, cap), dtype=torch.int32, device=dev), per_expert,
-                                  cap, received=False)
+        pair_row, token_ranks = torch.empty(sum(self._maps), dtype=torch.int32, device=dev).split(self._maps)
+        handle = LowLatencyHandle(out_w, pair_row, token_ranks, per_expert, cap, T, received=False)
+        x_arg, consumed = self._or_dummy(x), self._sig[_SIG_CONSUMED]
+
+        def launch(n_send: int, n_recv: int) -> None:
+            self._dispatch.launch(
+                (n_send + n_recv,), (x.dtype, topk.dtype), x_arg, topk, weights, recv, recv_w, recv_src, count,
+                consumed, epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, pair_row, token_ranks,
+                per_expert, n_send, n_recv, cp, T, self.E, E_L, W, M, H, row, ALIGN=16 // x.element_size(),
+                **self._dispatch_consts)
 
         def recv_hook() -> None:
             if handle.received:
                 raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
-            self._recv.launch(
-                (E_L, W, cp), x.dtype, recv, recv_w, recv_src, count, consumed, epoch, out_x, out_w, handle.row_src,
-                per_expert, self._ctr[1], W, M, H, row, **self._recv_consts)
+            launch(0, self._n_recv)
             handle.received = True
 
-        if not defer_recv:
-            recv_hook()
+        if defer_recv:
+            launch(max(T, 1) * cp, 0)
+        else:
+            launch(max(T, 1) * cp, self._n_recv)
+            handle.received = True
         return out_x, out_w, per_expert, handle, (recv_hook if defer_recv else None)
 
     def combine(self, y: torch.Tensor, h: LowLatencyHandle) -> torch.Tensor:
@@ -351,17 +393,13 @@ class LowLatencyEngine:
         if not h.received:
             raise ValueError("combine: call res.recv_hook() first; the receive half of this low-latency dispatch "
                              "has not run, so its rows are not there yet")
-        W, M, H, cp = self.W, self.M, self.H, self.cfg.col_programs
-        epoch = self._bufs[3]
-        ready, consumed = self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED]
+        T, cp = h.num_tokens, self.cfg.col_programs
         back, row = self._staging("back", y.dtype)
-        self._back.launch(
-            (self.E_L, cp), y.dtype, y, h.row_src, h.tokens_per_expert, back, ready, consumed, epoch, self._ctr[2], W, M,
-            H, row, ALIGN=16 // y.element_size(), **self._recv_consts)
-        T = h.topk_idx.shape[0]
-        out = torch.empty((T, H), dtype=y.dtype, device=y.device)
-        self._reduce.launch(
-            (max(T, 1), cp), (y.dtype, h.topk_idx.dtype), back, self._or_dummy(h.topk_idx),
-            self._or_dummy(h.topk_weights), self._or_dummy(out), ready, consumed, epoch, self._ctr[3], T, self.E, W, H,
-            row, ACC=tl.float64 if y.dtype == torch.float64 else tl.float32, **self._reduce_consts)
+        out = torch.empty((T, self.H), dtype=y.dtype, device=y.device)
+        self._combine.launch(
+            (self._n_back + max(T, 1) * cp,), y.dtype, y, h.weights, h.pair_row, h.token_ranks, back,
+            self._or_dummy(out), self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED], self._bufs[3],
+            self._combine_ctr, self._n_back, max(T, 1) * cp, cp, T, self.W, self.M, self.H, row,
+            ALIGN=16 // y.element_size(), ACC=tl.float64 if y.dtype == torch.float64 else tl.float32,
+            **self._combine_consts)
         return out

@@ -145,14 +145,3 @@ class ReferenceEngine:
             vals = torch.where(p.pair_send_row >= 0, back[p.pair_send_row.clamp(min=0), k_idx], 0.0)
         return out, vals
 
-
-def combine_pairs_reference(pair_rows: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor,
-                            out_dtype: torch.dtype) -> torch.Tensor:
-    """Low-latency combine of one rank: pair_rows [T, K, H] (expert output of pair (t, k)), weights [T, K],
-    valid [T, K] bool -> out [T, H]: acc = 0; for k: acc = acc + (row * w if valid else 0); cast."""
-    acc_t = accumulator(pair_rows.dtype)
-    acc = torch.zeros((pair_rows.shape[0], pair_rows.shape[2]), dtype=acc_t, device=pair_rows.device)
-    for k in range(pair_rows.shape[1]):
-        term = pair_rows[:, k].to(acc_t) * weights[:, k].to(acc_t)[:, None]
-        acc = acc + torch.where(valid[:, k, None], term, 0.0)
-    return acc.to(out_dtype)
