@@ -231,11 +231,13 @@ class Dispatcher:
             raise ValueError(f"dispatch: {what} is forward-only; use mode='normal' for training (or run under torch.no_grad())")
         if use_fp8 and self.mode != "normal":
             raise ValueError("dispatch: use_fp8=True is available in mode='normal'")
+        if self.mode == "low_latency" and not async_op:  # the decode hot path: no stream switch to set up
+            if self._stream is not None and x.is_cuda:  # calls share buffers: keep them in order
+                torch.cuda.current_stream().wait_stream(self._stream)
+            return self._dispatch_low_latency(x, topk_idx, topk_weights, return_recv_hook)
         with self._on_comm_stream(async_op, [x, topk_idx, topk_weights]) as outputs:
             if self.mode == "low_latency":
-                rows, weights, per_expert, handle, hook = self._engine.dispatch(x.contiguous(), topk_idx, topk_weights,
-                                                                                defer_recv=return_recv_hook)
-                res = DispatchResult(rows, weights, per_expert, handle, hook)
+                res = self._dispatch_low_latency(x, topk_idx, topk_weights, return_recv_hook)
             elif use_fp8:
                 res = self._dispatch_fp8(x, topk_idx, topk_weights)
             else:
@@ -246,6 +248,11 @@ class Dispatcher:
         if async_op:
             res.work = Work(res.x)
         return res
+
+    def _dispatch_low_latency(self, x, topk_idx, topk_weights, return_recv_hook) -> DispatchResult:
+        rows, weights, per_expert, handle, hook = self._engine.dispatch(x.contiguous(), topk_idx, topk_weights,
+                                                                        defer_recv=return_recv_hook)
+        return DispatchResult(rows, weights, per_expert, handle, hook)
 
     def _handle(self, plan, weights) -> DispatchHandle:
         return DispatchHandle(plan.num_tokens, self.hidden, self.topk, plan.num_recv_rows, plan.tokens_per_expert,
@@ -262,6 +269,10 @@ class Dispatcher:
         """y [R, H] (rows in res.x's order) -> out [T, H] = sum_k topk_weights[t, k] * y[row(t, k)].
         async_op=True: runs on the communication stream and returns (out, work); wait before reading out."""
         self._check_combine(y, handle)
+        if self.mode == "low_latency" and not async_op:  # the decode hot path
+            if self._stream is not None and y.is_cuda:
+                torch.cuda.current_stream().wait_stream(self._stream)
+            return self._engine.combine(y.contiguous(), handle)
         with self._on_comm_stream(async_op, [y]) as outputs:
             if self.mode == "low_latency":
                 out = self._engine.combine(y.contiguous(), handle)

@@ -79,12 +79,15 @@ class LowLatencyConfig:
 
 @tilecomm.jit(do_not_specialize=["T", "N_SEND", "N_RECV"])
 def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr,
-                     err_ptr, pairs_ptr, counter_ptr, out_ptr, out_w_ptr, pair_row_ptr, token_ranks_ptr,
-                     per_expert_ptr, N_SEND, N_RECV, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+                     err_ptr, pairs_ptr, counter_ptr, out_ptr, out_w_ptr, maps_ptr, per_expert_ptr, N_SEND, N_RECV,
+                     CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
-    """Programs: N_SEND senders (token x column chunk), then N_RECV receivers (expert x source x chunk)."""
+    """Programs: N_SEND senders (token x column chunk), then N_RECV receivers (expert x source x chunk).
+    maps: pair_row [W, M, K] then token_ranks [M, W] (LowLatencyHandle)."""
     ticket = take_ticket(counter_ptr, N_SEND + N_RECV)
+    pair_row_ptr = maps_ptr
+    token_ranks_ptr = maps_ptr + W * M * K
     epoch = tl.load(epoch_ptr) + 1
     if ticket < N_SEND:
         _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
@@ -201,12 +204,14 @@ def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
 
 
 @tilecomm.jit(do_not_specialize=["T", "N_BACK", "N_SUM"])
-def _combine_kernel(y_ptr, w_ptr, pair_row_ptr, token_ranks_ptr, back_ptr, out_ptr, ready_ptr, consumed_ptr,
+def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consumed_ptr,
                     epoch_ptr, counter_ptr, N_BACK, N_SUM, CP, T, W, M, H, ROW, K: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                     ACC: tl.constexpr):
     """Programs: N_BACK expert-side reducers (source x token x column chunk), then N_SUM summers (token x chunk)."""
     ticket = take_ticket(counter_ptr, N_BACK + N_SUM)
+    pair_row_ptr = maps_ptr
+    token_ranks_ptr = maps_ptr + W * M * K
     me = tcl.rank()
     epoch = tl.load(epoch_ptr + 1) + 1
     if ticket < N_BACK:
@@ -255,18 +260,26 @@ def _combine_kernel(y_ptr, w_ptr, pair_row_ptr, token_ranks_ptr, back_ptr, out_p
 @dataclass
 class LowLatencyHandle:
     """What combine needs (this rank). weights [E_l, cap] float32: res.weights (the weight of each
-    received row); pair_row [W, M, K] int32: the row of res.x holding source s's pair (t, k) (-1: not
-    here); token_ranks [M, W] int32: 1 where this rank's token t went to rank r (first T rows used);
-    tokens_per_expert [E_l] int64 (on the device); capacity = W * M; num_tokens = T; received: whether
-    the receive half ran (see recv_hook)."""
+    received row); maps int32, written by the kernels: pair_row [W, M, K] (the row of res.x holding
+    source s's pair (t, k), -1: not here), then token_ranks [M, W] (1 where this rank's token t went to
+    rank r; first T rows used): one allocation, views below; tokens_per_expert [E_l] int64 (on the
+    device); capacity = W * M; num_tokens = T; received: whether the receive half ran (see recv_hook)."""
 
     weights: torch.Tensor
-    pair_row: torch.Tensor
-    token_ranks: torch.Tensor
+    maps: torch.Tensor
     tokens_per_expert: torch.Tensor
     capacity: int
+    world: int
     num_tokens: int
     received: bool = True
+
+    @property
+    def pair_row(self) -> torch.Tensor:
+        return self.maps[: self.maps.numel() - self.capacity].view(self.world, self.capacity // self.world, -1)
+
+    @property
+    def token_ranks(self) -> torch.Tensor:
+        return self.maps[self.maps.numel() - self.capacity:].view(-1, self.world)
 
 
 def raise_device_error(words) -> None:
@@ -316,7 +329,7 @@ class LowLatencyEngine:
         self._bufs = (st.recv_w, st.recv_src, st.count, st.epoch)
         self._n_recv = self.E_L * W * cp
         self._n_back = W * max_tokens * cp
-        self._maps = (W * max_tokens * topk, max_tokens * W)  # int32 words of pair_row, token_ranks
+        self._map_words = W * max_tokens * topk + max_tokens * W  # LowLatencyHandle.maps: pair_row, token_ranks
         common = dict(K=K, BLOCK_K=_P2(K), BLOCK_W=_P2(W), BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
         self._dispatch_consts = dict(common, BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_EL=_P2(self.E_L),
                                      BLOCK_R=cfg.block_rows)
@@ -362,15 +375,15 @@ class LowLatencyEngine:
         out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((E_L, cap), dtype=torch.float32, device=dev)
         per_expert = torch.empty(E_L, dtype=torch.int64, device=dev)
-        pair_row, token_ranks = torch.empty(sum(self._maps), dtype=torch.int32, device=dev).split(self._maps)
-        handle = LowLatencyHandle(out_w, pair_row, token_ranks, per_expert, cap, T, received=False)
+        maps = torch.empty(self._map_words, dtype=torch.int32, device=dev)
+        handle = LowLatencyHandle(out_w, maps, per_expert, cap, W, T, received=False)
         x_arg, consumed = self._or_dummy(x), self._sig[_SIG_CONSUMED]
 
         def launch(n_send: int, n_recv: int) -> None:
             self._dispatch.launch(
                 (n_send + n_recv,), (x.dtype, topk.dtype), x_arg, topk, weights, recv, recv_w, recv_src, count,
-                consumed, epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, pair_row, token_ranks,
-                per_expert, n_send, n_recv, cp, T, self.E, E_L, W, M, H, row, ALIGN=16 // x.element_size(),
+                consumed, epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, maps, per_expert, n_send,
+                n_recv, cp, T, self.E, E_L, W, M, H, row, ALIGN=16 // x.element_size(),
                 **self._dispatch_consts)
 
         def recv_hook() -> None:
@@ -397,7 +410,7 @@ class LowLatencyEngine:
         back, row = self._staging("back", y.dtype)
         out = torch.empty((T, self.H), dtype=y.dtype, device=y.device)
         self._combine.launch(
-            (self._n_back + max(T, 1) * cp,), y.dtype, y, h.weights, h.pair_row, h.token_ranks, back,
+            (self._n_back + max(T, 1) * cp,), y.dtype, y, h.weights, h.maps, back,
             self._or_dummy(out), self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED], self._bufs[3],
             self._combine_ctr, self._n_back, max(T, 1) * cp, cp, T, self.W, self.M, self.H, row,
             ALIGN=16 // y.element_size(), ACC=tl.float64 if y.dtype == torch.float64 else tl.float32,

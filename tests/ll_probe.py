@@ -13,9 +13,9 @@ import tilecomm
 from tilecomm.dispatch import Dispatcher
 from tilecomm.dispatch import low_latency as ll
 
-CONFIGS = [dict(), dict(col_programs=4), dict(col_programs=2), dict(col_programs=1),
-           dict(block_rows=8), dict(block_rows=8, col_programs=4), dict(num_warps=8), dict(num_warps=8, block_rows=8),
-           dict(block_h=2048, col_programs=4), dict(block_h=512, col_programs=14, block_rows=4)]
+CONFIGS = [dict(), dict(col_programs=2), dict(col_programs=1), dict(block_h=1024, col_programs=7),
+           dict(block_h=1024, col_programs=4), dict(block_h=4096, col_programs=2), dict(num_warps=8),
+           dict(block_rows=4), dict(block_rows=8), dict(block_rows=8, num_warps=8)]
 
 
 def per_call(fn, n=200):

@@ -145,25 +145,35 @@ def test_gradients_match_local_autograd(ranks, world, backend):
     ranks(world).run(gradients_body, 5, 6, 8, 3, 3 * world, backend)
 
 
-def _random_inputs(own, T, H, K, E, distinct):
-    """x [T, H]; topk_idx with -1s and (unless distinct) repeated experts; weights."""
+def _random_inputs(own, T, H, K, E, distinct, device=None):
+    """x [T, H]; topk_idx with -1s and (unless distinct) repeated experts; weights (on `device`, default dev())."""
     x = torch.randn(T, H, generator=own)
     if distinct:
         idx = torch.stack([torch.randperm(E, generator=own)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
     else:
         idx = torch.randint(0, E, (T, K), generator=own)
     idx[torch.rand(T, K, generator=own) < 0.25] = -1
-    return x.to(dev()), idx.to(dev()), torch.rand(T, K, generator=own).to(dev())
+    device = dev() if device is None else device
+    return x.to(device), idx.to(device), torch.rand(T, K, generator=own).to(device)
+
+
+def _reference_device() -> torch.device:
+    """Where the reference Dispatcher (backend="nccl") computes: on CPU when the process group is gloo
+    (ranks sharing a GPU): gloo on CUDA tensors syncs the device at every exchange, which time-sliced
+    ranks pay for in milliseconds."""
+    return torch.device("cpu") if dist.get_backend() == "gloo" else dev()
 
 
 def _check_normal(fast, ref, x, idx, w, it, async_op):
-    a, b = fast.dispatch(x, idx, w, async_op=async_op), ref.dispatch(x, idx, w)
+    """x, idx, w on the reference's device; the tilecomm Dispatcher gets copies on the runtime's."""
+    on = dev()
+    a, b = fast.dispatch(x.to(on), idx.to(on), w.to(on), async_op=async_op), ref.dispatch(x, idx, w)
     if a.work is not None:
         a.work.wait()
     for name in ("x", "weights", "tokens_per_expert"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), f"iteration {it}: dispatch res.{name} differs"
-    y = a.x * 2 + 1
-    assert torch.equal(fast.combine(y, a.handle), ref.combine(y, b.handle)), f"iteration {it}: combine differs"
+        assert torch.equal(getattr(a, name).to(x.device), getattr(b, name)), f"iteration {it}: dispatch res.{name} differs"
+    y = b.x * 2 + 1
+    assert torch.equal(fast.combine(y.to(on), a.handle).to(x.device), ref.combine(y, b.handle)), f"iteration {it}: combine differs"
 
 
 def _packed(rows: torch.Tensor, counts) -> torch.Tensor:
@@ -172,20 +182,21 @@ def _packed(rows: torch.Tensor, counts) -> torch.Tensor:
 
 
 def _check_low_latency(fast, ref, x, idx, w, it, hook):
-    rank, world = tilecomm.rank(), tilecomm.world_size()
-    a, b = fast.dispatch(x, idx, w, return_recv_hook=hook), ref.dispatch(x, idx, w)
+    """As _check_normal: inputs on the reference's device."""
+    rank, on = tilecomm.rank(), dev()
+    a, b = fast.dispatch(x.to(on), idx.to(on), w.to(on), return_recv_hook=hook), ref.dispatch(x, idx, w)
     if a.recv_hook is not None:
         a.recv_hook()
     counts = a.tokens_per_expert.tolist()
     assert counts == b.tokens_per_expert.tolist(), f"iteration {it}: counts differ"
-    assert torch.equal(_packed(a.x, counts), b.x), f"iteration {it}: rows differ"
-    assert torch.equal(_packed(a.weights, counts), b.weights)
+    assert torch.equal(_packed(a.x, counts).to(x.device), b.x), f"iteration {it}: rows differ"
+    assert torch.equal(_packed(a.weights, counts).to(x.device), b.weights)
     e_local = fast.num_local_experts
-    scale = 1.0 + (torch.arange(e_local, device=x.device) + rank * e_local).float()
+    scale = 1.0 + (torch.arange(e_local, device=on) + rank * e_local).float()
     y = (a.x.float() * scale[:, None, None]).to(x.dtype)  # expert e: x * (1 + e)
-    y.masked_fill_(torch.arange(y.shape[1], device=y.device)[None, :, None] >= a.tokens_per_expert[:, None, None], float("nan"))
+    y.masked_fill_(torch.arange(y.shape[1], device=on)[None, :, None] >= a.tokens_per_expert[:, None, None], float("nan"))
     out = fast.combine(y, a.handle)  # rows past the counts are never read: NaN there would show
-    assert torch.equal(out, ref.combine(_packed(y, counts), b.handle)), f"iteration {it}: combine differs"
+    assert torch.equal(out.to(x.device), ref.combine(_packed(y, counts).to(x.device), b.handle)), f"iteration {it}: combine differs"
 
 
 def random_loop_body(mode, iters, seed):
@@ -205,7 +216,7 @@ def random_loop_body(mode, iters, seed):
         ref = Dispatcher(E, H, M, K, torch.float32, backend="nccl")
         for it in range(c * iters // configs, (c + 1) * iters // configs):
             T = 0 if torch.rand(1, generator=own) < 0.2 else int(torch.randint(0, M + 1, (1,), generator=own))
-            x, idx, w = _random_inputs(own, T, H, K, E, distinct=mode == "low_latency")
+            x, idx, w = _random_inputs(own, T, H, K, E, distinct=mode == "low_latency", device=_reference_device())
             if mode == "normal":
                 _check_normal(fast, ref, x, idx, w, it, async_op=bool(it % 3 == 1))
             else:
