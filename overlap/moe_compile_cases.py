@@ -9,7 +9,8 @@ from . import moe_comm as mc
 from . import moe_gemm as mg
 
 _P64, _P32, _F32, _BF16 = "*i64", "*i32", "*fp32", "*bf16"
-_GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, E_PAD=64, ACC=tl.float32, PRECISION="tf32")
+_GEMM = dict(E_PAD=64, ACC=tl.float32, PRECISION="tf32")
+_GATE_UP, _DOWN_GRAD, _SCATTER = (dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=64) for m, n in ((64, 128), (128, 128), (128, 256)))
 
 
 # int arguments that are multiples of 16 at the bench's shapes (hidden, ffn, max tokens, slots, strides): Triton
@@ -41,12 +42,12 @@ def gpu_compile_cases() -> list:
                    ACC=tl.float32)),
         _case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16,
                                    "x_rows_ptr": _BF16, "row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32},
-              dict(_GEMM, BLOCK_W=8)),
+              dict(_GEMM, **_GATE_UP, BLOCK_W=8)),
         _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16,
                                      "g_rows_ptr": _BF16, "act_w_ptr": _BF16, "row_gw_ptr": _F32},
-              dict(_GEMM, BLOCK_N=64, BLOCK_W=8)),  # BLOCK_N: FusedMoEConfig.grad_block_n
+              dict(_GEMM, **_DOWN_GRAD, BLOCK_W=8)),
         _case(mg._scatter_kernel, {"a_ptr": _BF16, "w_ptr": _BF16, "offs_ptr": _P32, "row_pair_ptr": _P32,
                                    "row_src_ptr": _P32, "vals_ptr": _F32, "back_ptr": _BF16,
                                    "back_w_ptr": _F32, "flags_ptr": _P64, "consumed_ptr": _P64},
-              dict(_GEMM, B_TRANS=True, HAS_VALS=True, ALIGN=8)),
+              dict(_GEMM, **_SCATTER, B_TRANS=True, HAS_VALS=True, ALIGN=8)),
     ]

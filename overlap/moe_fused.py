@@ -61,15 +61,31 @@ _P2 = triton.next_power_of_2
 
 
 @dataclass(frozen=True)
-class FusedMoEConfig:
-    """gemm: the GEMM kernels' tiles (BLOCK_M rows per item, BLOCK_N output / BLOCK_K reduction columns per
-    step), warps and pipeline stages (GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used); wgrad: the
-    weight gradients' grouped GEMM config (fp32 / fp64 need smaller tiles than grouped.py's); grad_block_n:
-    BLOCK_N of the down-projection backward (its SwiGLU epilogue also holds h's gate and up tiles: at 128
-    columns ptxas spills); block_h: columns per step of the row copies (send, reduce)."""
+class FusedGemm:
+    """One fused GEMM kernel's launch: tiles (BLOCK_M rows per item, BLOCK_N output / BLOCK_K reduction columns
+    per step, warps, pipeline stages; GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used) and persistent
+    programs per SM (2: one program's row gathers, pipeline fills and epilogue run beside another's main loop;
+    only where two fit in an SM's registers and shared memory, else the second half of the grid waits)."""
 
-    gemm: GemmConfig = GemmConfig(128, 128, 64, 8, 8, 3, 1, False)
-    grad_block_n: int = 64
+    tiles: GemmConfig
+    programs_per_sm: int = 1
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """gate_up (forward GEMM1 + SwiGLU), down_grad (backward of GEMM2 + SwiGLU: its epilogue also loads h's gate
+    and up tiles), scatter (forward GEMM2 and backward GEMM1: rows stored into their sources): the fused GEMM
+    kernels' launches. wgrad: the weight gradients' grouped GEMM (None: grouped.py's default; fp32 / fp64
+    need smaller tiles). block_h: columns per step of the row copies (send, reduce).
+
+    bf16 on GPUs, from tests/fused_moe_profile.py's sweep on one H100 at the pretraining preset's layer
+    (notes/moe.md), µs of both calls: with 128 x 128 tiles everywhere gate_up took 2082, down_grad 2348 (64
+    columns), scatter 2443; gate_up was fastest at 64 x 128 (4 warps, 4 stages: 1651; 254 registers, 98 KB of
+    shared memory: two programs fit an SM), down_grad at 128 x 128 (1531), scatter at 128 x 256 (1632)."""
+
+    gate_up: FusedGemm = FusedGemm(GemmConfig(64, 128, 64, 8, 4, 4, 1, False), 2)
+    down_grad: FusedGemm = FusedGemm(GemmConfig(128, 128, 64, 8, 8, 3, 1, False))
+    scatter: FusedGemm = FusedGemm(GemmConfig(128, 256, 64, 8, 8, 3, 1, False))
     block_h: int = 256
     wgrad: Optional[GemmConfig] = None  # the weight gradients' grouped GEMM (None: grouped.py's default)
 
@@ -78,10 +94,11 @@ class FusedMoEConfig:
         if device.type == "cuda":
             if dtype in (torch.float32, torch.float64):  # IEEE FMA path: small tiles (shared memory, registers)
                 small = GemmConfig(64, 64, 32, 8, 4, 3, 1, False)
-                return FusedMoEConfig(small, 64, wgrad=small)
+                return FusedMoEConfig(*(FusedGemm(small),) * 3, wgrad=small)
             return FusedMoEConfig()
         # the interpreter: few, large programs and small tiles
-        return FusedMoEConfig(GemmConfig(16, 32, 32, 1, 1, 1, 1, False), 32, min(256, _P2(hidden)))
+        tiny = GemmConfig(16, 32, 32, 1, 1, 1, 1, False)
+        return FusedMoEConfig(*(FusedGemm(tiny),) * 3, block_h=min(256, _P2(hidden)))
 
 
 def fused_moe_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:
@@ -243,14 +260,15 @@ class FusedMoEWorkspace:
             return torch.stack([p.T @ q for p, q in zip(a.split(counts), b.split(counts))])
         return _wgrad(a, b, offs, E_L, self.cfg.wgrad)
 
-    def _gemm_args(self, tiles: int, block_n: Optional[int] = None):
-        g = self.cfg.gemm
-        return (num_programs(tiles, self.device),), dict(
-            BLOCK_M=g.BLOCK_M, BLOCK_N=block_n or g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
+    def _gemm_args(self, launch: FusedGemm, R: int):
+        """(grid, launch keywords) of a fused GEMM kernel over R rows: one item per BLOCK_M rows of an expert
+        (at most R / BLOCK_M + E_l items)."""
+        g = launch.tiles
+        tiles = triton.cdiv(R, g.BLOCK_M) + self.num_local_experts
+        programs = min(tiles, launch.programs_per_sm * num_programs(tiles, self.device))
+        return (programs,), dict(
+            BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
             ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=g.num_warps, num_stages=g.num_stages)
-
-    def _tiles(self, R: int) -> int:
-        return triton.cdiv(R, self.cfg.gemm.BLOCK_M) + self.num_local_experts
 
     def _scatter_back(self, a, w, offs, row_pair, row_src, R, vals, b_trans: bool) -> None:
         """Rows a[R, KA] @ w[e] (w[e]^T with b_trans) into their sources' back rows (+ per-row vals)."""
@@ -258,7 +276,7 @@ class FusedMoEWorkspace:
         st = self.state
         a_t, _ = tma_operand(a)
         w_t, _ = tma_operand(w)
-        grid, kw = self._gemm_args(self._tiles(R))
+        grid, kw = self._gemm_args(self.cfg.scatter, R)
         _scatter_kernel[grid](
             a_t, w_t, offs, self._ptr(row_pair, torch.int32), self._ptr(row_src, torch.int32),
             self._ptr(vals, torch.float32), st.back, st.back_w, st.flags,
@@ -300,7 +318,7 @@ class FusedMoEWorkspace:
         row_pair, row_src = (torch.empty(rows, dtype=torch.int32, device=dev) for _ in range(2))
         row_w = torch.empty(rows, dtype=torch.float32, device=dev)
         w_gu, up = _gate_up_operand(w_gate_up, F)
-        grid, kw = self._gemm_args(self._tiles(R))
+        grid, kw = self._gemm_args(self.cfg.gate_up, R)
         _gate_up_kernel[grid](
             st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R,
             H, F, self.num_local_experts, self.world_size, self.max_tokens, self.max_tokens * K, K, x_rows.stride(0),
@@ -329,7 +347,7 @@ class FusedMoEWorkspace:
         act_w = torch.empty((rows, F), dtype=self.dtype, device=dev)
         row_gw = torch.empty(rows, dtype=torch.float32, device=dev)
         w_dn, _ = tma_operand(w_down)
-        grid, kw = self._gemm_args(self._tiles(R), self.cfg.grad_block_n)
+        grid, kw = self._gemm_args(self.cfg.down_grad, R)
         _down_grad_kernel[grid](
             st.stage, st.words, w_dn, s.plan, s.offs, self._ptr(s.row_w, torch.float32), self._ptr(s.h, self.dtype),
             dh, g_rows, act_w, row_gw, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,

@@ -37,7 +37,7 @@ import tilecomm
 from tilecomm.dispatch import Dispatcher
 from tilecomm.overlap import FusedMoEWorkspace, fused_moe_reference
 from tilecomm.overlap import moe_fused
-from tilecomm.overlap.moe_fused import FusedMoEConfig
+from tilecomm.overlap.moe_fused import FusedGemm, FusedMoEConfig
 from tilecomm.overlap.tiles import GemmConfig
 
 SUMMARY = []
@@ -151,7 +151,7 @@ def _case(size, dtype, cfg, label):
         print(f"  (backward done after {time.time() - t0:.1f} s)", flush=True)
     finally:
         moe_fused._wgrad = real_wgrad
-    bm = cfg.gemm.BLOCK_M
+    bm = cfg.gate_up.tiles.BLOCK_M
     pair_want, e_want = _expected_order(idx, K)
     R = pair_want.shape[0]
     stages.append(("rows", _exact("row_pair", s.row_pair.long(), pair_want)
@@ -274,9 +274,9 @@ def main():
     if args.gpu_tiles:
         runs.append(("gpu-tiles", torch.bfloat16, FusedMoEConfig(block_h=min(256, small[1]))))
     if args.variants and dev.type == "cuda":
-        runs += [("1-stage", torch.bfloat16, FusedMoEConfig(GemmConfig(128, 128, 64, 8, 8, 1, 1, False))),
-                 ("n64", torch.bfloat16, FusedMoEConfig(GemmConfig(128, 64, 64, 8, 8, 3, 1, False))),
-                 ("m64-4warps", torch.bfloat16, FusedMoEConfig(GemmConfig(64, 64, 32, 8, 4, 3, 1, False)))]
+        tiles = {"1-stage": GemmConfig(128, 128, 64, 8, 8, 1, 1, False), "n64": GemmConfig(128, 64, 64, 8, 8, 3, 1, False),
+                 "m64-4warps": GemmConfig(64, 64, 32, 8, 4, 3, 1, False)}
+        runs += [(name, torch.bfloat16, FusedMoEConfig(*(FusedGemm(g),) * 3)) for name, g in tiles.items()]
     try:
         _atomic_broadcast_check()
     except Exception as err:  # noqa: BLE001 - a diagnostic: report and go on

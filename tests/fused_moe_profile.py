@@ -1,0 +1,154 @@
+"""Where the time of one MoE layer's forward + backward goes, fused beside unfused (a diagnostic, not a test).
+
+    python3 tests/fused_moe_profile.py [--presets pretrain,deepseek_v3] [--variants pretrain] [--fused-only]
+
+One GPU, world 1, bf16, the layers of comm/bench/moe_layer.py. For each layer and each path (dispatcher
+"tilecomm": Dispatcher + torch._grouped_mm experts + combine; "fused": tilecomm.overlap.fused_moe): µs per
+call (measure.per_call_us), host syncs of one forward + backward, and torch.profiler's GPU kernels of one
+call by name (count, µs; summed over --steps profiled calls, divided by their number). For the layers named by --variants
+also the fused path under other FusedMoEConfig launches (its kernels' µs each). Full tables go to --out
+(profile.txt, profile.json); a summary is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import tilecomm
+from tilecomm.bench import measure
+from tilecomm.bench.moe_layer import PRESETS, _heap_bytes, _step
+from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
+from tilecomm.overlap import FusedMoEWorkspace
+from tilecomm.overlap.moe_fused import FusedGemm, FusedMoEConfig
+from tilecomm.overlap.tiles import GemmConfig
+
+LOG = []
+OUT_FILE = None
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LOG.append(line)
+    if OUT_FILE:
+        with open(OUT_FILE, "a") as f:
+            f.write(line + "\n")
+
+
+def kernels(fn, steps: int):
+    """{kernel name: [count per call, µs per call]} and the summed GPU µs per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    table = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = table[e.name[:90]]
+            row[0] += 1 / steps
+            row[1] += e.device_time_total / steps
+    return dict(table), sum(v[1] for v in table.values())
+
+
+def syncs(fn) -> int:
+    return measure.host_syncs(fn, True)
+
+
+def profile_path(name, kind, layer, x, grad_out, steps, iters):
+    step = lambda: _step(layer, x, grad_out)  # noqa: E731
+    us = measure.per_call_us(step, iters, 3, on_gpu=True)
+    table, gpu = kernels(step, steps)
+    n_sync = syncs(step)
+    say(f"\n== {name} / {kind}: {us:.1f} µs per call (wall), GPU busy {gpu:.1f} µs, "
+        f"{sum(v[0] for v in table.values()):.0f} kernels, {n_sync} host syncs")
+    for k, (count, t) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+        say(f"  {t:9.1f} µs {count:5.1f}x  {k}")
+    return dict(us=us, gpu_us=gpu, syncs=n_sync, kernels=table)
+
+
+_DEFAULT = FusedMoEConfig()
+_G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
+VARIANTS = {  # the default, then one change each
+    "default": _DEFAULT,
+    "gate_up 1/SM": replace(_DEFAULT, gate_up=FusedGemm(_G(64, 128, 4, 4), 1)),
+    "down_grad 64x128 2/SM": replace(_DEFAULT, down_grad=FusedGemm(_G(64, 128, 4, 3), 2)),
+    "scatter 128x128 s4": replace(_DEFAULT, scatter=FusedGemm(_G(128, 128, 8, 4))),
+}
+
+
+def run_preset(name, p, args, report):
+    dev = tilecomm.current().device
+    c = MoEConfig(hidden=p["hidden"], ffn_hidden=p["ffn"], num_experts=p["experts"], topk=p["topk"],
+                  dtype=torch.bfloat16, max_tokens_per_rank=p["tokens"], seed=0, init_std=0.02)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(c.dtype).requires_grad_()
+    grad_out = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(c.dtype)
+    d = make_dispatcher(c, "tilecomm")
+    layer = MoELayer(c, dispatcher=d, device=dev)
+    rows = {}
+    try:
+        if not args.fused_only:
+            rows["tilecomm"] = profile_path(name, "tilecomm", layer, x, grad_out, args.steps, args.iters)
+    finally:
+        d.free()
+    variants = VARIANTS if name in args.variants.split(",") else {"default": _DEFAULT}
+    for vname, cfg in variants.items():
+        ws = None
+        try:
+            ws = FusedMoEWorkspace(c.num_experts, c.hidden, c.ffn_hidden, c.max_tokens_per_rank, c.topk, c.dtype,
+                                   config=cfg)
+            layer.dispatcher = ws
+            rows[f"fused:{vname}"] = profile_path(name, f"fused:{vname}", layer, x, grad_out, args.steps, args.iters)
+        except Exception as err:  # keep the other variants
+            say(f"{name} fused:{vname} failed: {type(err).__name__}: {str(err)[:300]}")
+        finally:
+            if ws is not None:
+                ws.free()
+    report[name] = rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="pretrain,deepseek_v3")
+    ap.add_argument("--variants", default="", help="comma-separated layers that also run the fused config variants")
+    ap.add_argument("--fused-only", action="store_true", help="skip the unfused path")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args()
+    global OUT_FILE
+    OUT_FILE = os.path.join(args.out, "profile.txt")
+    presets = {k: PRESETS[k] for k in args.presets.split(",")}
+    tilecomm.init(backend="cuda", heap_bytes=_heap_bytes(presets, torch.bfloat16))
+    say(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    report = {}
+    t0 = time.time()
+    for name, p in presets.items():
+        try:
+            run_preset(name, p, args, report)
+        except Exception as err:
+            say(f"{name} failed: {type(err).__name__}: {str(err)[:300]}")
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "profile.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nsummary ({time.time() - t0:.0f} s)")
+    for name, rows in report.items():
+        for kind, r in rows.items():
+            top = sorted(r["kernels"].items(), key=lambda kv: -kv[1][1])[:6]
+            print(f"{name:12s} {kind:16s} {r['us']:9.1f} µs wall {r['gpu_us']:9.1f} GPU {r['syncs']:3d} syncs | " +
+                  "; ".join(f"{k[:28]} {v[1]:.0f}" for k, v in top))
+    tilecomm.finalize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
