@@ -43,32 +43,44 @@ class GemmConfig:
     num_stages: int = 3
     EPILOGUE_SPLIT: int = 2
     WARP_SPECIALIZE: bool = False
+    FLATTEN: bool = True  # kernels that declare it: tile loop and K loop fused into one pipelined loop
+    PROGRAMS_PER_SM: int = 1  # persistent programs per SM (more than 1: one's epilogue overlaps another's loads)
 
     def launch(self) -> dict:
         """Keyword arguments of a kernel launch (a fresh dict; dataclasses.asdict, ~10 µs, runs once per config)."""
         return dict(_launch_kwargs(self))
 
 
+# GemmConfig fields that are launch facts, not kernel constexprs or launch options
+_GRID_FIELDS = ("PROGRAMS_PER_SM",)
+
+
 @functools.lru_cache(maxsize=None)
 def _launch_kwargs(cfg: GemmConfig) -> dict:
-    return asdict(cfg)
+    return {k: v for k, v in asdict(cfg).items() if k not in _GRID_FIELDS}
 
 
-# Per shape bucket, from `python -m tilecomm.bench.gemm --sweep` on one H200 (BENCHMARKS.md, GEMM section):
-# 128x256x64, 8 warps, 3 stages was best on every large shape; GROUP_M 16 with a 2-way epilogue split had the
-# best geometric mean over the five bar shapes (96.3% of cuBLAS in the sweep; GROUP_M 8: 93.9-96.2%).
+@functools.lru_cache(maxsize=None)
+def _kernel_kwargs(cfg: GemmConfig, launcher: CachedLaunch) -> dict:
+    """cfg's constexprs that launcher's kernel declares, and the launch options (num_warps, num_stages)."""
+    return {k: v for k, v in _launch_kwargs(cfg).items() if k in launcher.names or k in ("num_warps", "num_stages")}
+
+
+# Per shape bucket, from `python -m tilecomm.bench.gemm --sweep` (BENCHMARKS.md GEMM section, /work/notes/gemm.md):
+# 128x256x64, 8 warps, 3 stages was best on every large shape. H200: GROUP_M 16 / 2-way epilogue split 96.3% of
+# cuBLAS (geomean, five bar shapes), GROUP_M 8 / no split 96.2%; H100 (8192x7168x8192, 8192x3584x4096):
+# GROUP_M 8 / no split 100.0% / 101.1%, GROUP_M 16 / split 96.5% / 102.1%: the table takes GROUP_M 8, no split.
 # "narrow" / "small" are not measured yet: at 1000^3 every candidate took 40-100 µs (cuBLAS 11 µs).
 _TABLE = {
-    "large": GemmConfig(128, 256, 64, 16, 8, 3, 2, False),  # M >= 1024 and N >= 1024
+    "large": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),  # M >= 1024 and N >= 1024
     "narrow": GemmConfig(128, 128, 64, 8, 8, 4, 1, False),  # one of M, N below 1024
     "small": GemmConfig(64, 64, 64, 8, 4, 4, 1, False),     # both below 1024
     "fp32": GemmConfig(64, 64, 32, 8, 4, 3, 1, False),      # IEEE fp32 FMA path: small tiles, no spills
 }
 _CPU = GemmConfig(16, 16, 16, 2, 1, 1, 1, False)  # interpreter: small tiles keep CPU ranks fast
 CANDIDATES = [GemmConfig(*c) for c in [
-    (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 8, 8, 3, 2, True), (128, 256, 64, 8, 8, 3, 1, False),
-    (128, 256, 64, 16, 8, 3, 2, False), (256, 128, 64, 8, 8, 3, 2, False), (128, 128, 64, 8, 8, 4, 1, False),
-    (128, 128, 64, 8, 4, 4, 1, False), (128, 128, 64, 8, 8, 4, 1, True), (64, 128, 64, 8, 4, 4, 1, False)]]
+    (128, 256, 64, 16, 8, 3, 2, False), (128, 256, 64, 8, 8, 3, 1, False), (128, 256, 64, 16, 8, 4, 2, False),
+    (128, 256, 64, 32, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 2, True), (256, 128, 64, 16, 8, 3, 2, False)]]
 
 
 def bucket(m: int, n: int, dtype: torch.dtype) -> str:
@@ -102,9 +114,9 @@ class GemmTuner:
         return self.chosen[key]
 
 
-def resolve_config(config, m: int, n: int, dtype: torch.dtype, device: torch.device, run) -> GemmConfig:
-    """config: None (the table's entry for an [m, n] output), a GemmConfig, or a GemmTuner (which times
-    `run(cfg)`, a plain tile GEMM of the call's operands, once per bucket)."""
+def resolve_config(config, m: int, n: int, dtype: torch.dtype, device: torch.device, run, table=None) -> GemmConfig:
+    """config: None (the table's entry for an [m, n] output; table: _TABLE unless given), a GemmConfig, or a
+    GemmTuner (which times `run(cfg)`, a plain tile GEMM of the call's operands, once per bucket)."""
     if isinstance(config, GemmConfig):
         return config
     if config is not None and not isinstance(config, GemmTuner):
@@ -113,7 +125,7 @@ def resolve_config(config, m: int, n: int, dtype: torch.dtype, device: torch.dev
         return _CPU
     if isinstance(config, GemmTuner) and dtype != torch.float32:
         return config.pick((bucket(m, n, dtype), dtype), run)
-    return _TABLE[bucket(m, n, dtype)]
+    return (table or _TABLE)[bucket(m, n, dtype)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,10 +133,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_programs(num_tiles: int, device: torch.device) -> int:
+def num_programs(num_tiles: int, device: torch.device, per_sm: int = 1) -> int:
     if device.type != "cuda":
         return max(1, min(num_tiles, 4))
-    return max(1, min(num_tiles, _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(num_tiles, per_sm * sms))
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -235,7 +248,7 @@ def tile_product_acc(a_desc, a_g, off_m, b_desc, b_g, off_n, K, BLOCK_M: tl.cons
             b = b_desc.load([b_g, off_n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
         else:
             b = b_desc.load([b_g, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
     return acc
 
 
@@ -308,7 +321,8 @@ def launch_gemm(launcher: CachedLaunch, tiles: int, cfg: GemmConfig, *args, **fl
     argument binding saved per call on GPUs; CPU ranks take the interpreted launch)."""
     prepare_tma()
     key = (cfg, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(flags.items()))
-    launcher.launch((num_programs(tiles, args[0].device),), key, *args, **flags, **_launch_kwargs(cfg))
+    launcher.launch((num_programs(tiles, args[0].device, cfg.PROGRAMS_PER_SM),), key, *args, **flags,
+                    **_kernel_kwargs(cfg, launcher))
 
 
 # The launcher of each GEMM kernel (its compiled kernels by config; module-level like Triton's own kernel cache).
