@@ -10,8 +10,11 @@ Two persistent TMA kernels (tiles.py) cover the three products:
   place). Work items are (expert, row tile, column tile), numbered expert by expert; every program
   finds an item's expert from offs in registers (no host sync, one launch). Full row tiles store by TMA,
   an expert's last partial tile by masked stores.
-* `_wgrad_kernel`: dw[e] = x[rows of e]^T @ dy[rows of e], items (expert, K tile, N tile); the loop
-  over the expert's rows runs on TMA tiles, the last partial row chunk is masked. Empty experts give 0.
+* dw[e] = x[rows of e]^T @ dy[rows of e], items (expert, K tile, N tile), two loop forms chosen by the
+  mean rows per expert: `_wgrad_kernel` (many rows: per item, a loop over the expert's full row steps on
+  TMA tiles and one masked tail) and `_wgrad_flat_kernel` (few rows, e.g. ~128 in a 256-expert layer:
+  one flat loop over all its items' row steps, each masked, so the pipeliner overlaps an item's
+  store with the next item's loads). Empty experts give 0.
 `grouped_mm_reference` is the float64-capable torch loop the tests compare with.
 """
 from __future__ import annotations
@@ -23,10 +26,24 @@ import triton.language as tl
 import tilecomm
 from tilecomm.jit import CachedLaunch
 
-from .tiles import (GemmConfig, b_desc3, c_desc3, desc3, dot_precision, launch_gemm, resolve_config, store_tile,
-                    tile_position, tile_product, tma_operand)
+from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, desc3, dot_precision, launch_gemm, resolve_config,
+                    store_tile, tile_position, tile_product, tma_operand)
 
-_WGRAD = {"gpu": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "cpu": GemmConfig(16, 16, 16, 1, 1, 1, 1, False)}
+# Weight-gradient configs, per loop form (tilecomm.bench.gemm --sweep-grouped, nvidia-h100-x1: /work/notes/gemm.md).
+_WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),
+          "cpu": GemmConfig(16, 16, 16, 1, 1, 1, 1, False)}
+# The flat form below this many rows per expert on average (measured: 128 rows flat 1.6x faster than per item,
+# 1536 rows per item 1.2x faster than flat; the threshold between them is not measured)
+FLAT_MAX_ROWS = 512
+# The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
+_ROWS_TABLE = {**_TABLE, "large": GemmConfig(128, 256, 64, 16, 8, 3, 2, False)}
+# What `python -m tilecomm.bench.gemm --sweep-grouped ...` times (the data behind _WGRAD and the rows' configs).
+WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
+    (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 1, False), (128, 256, 64, 4, 8, 3, 1, False),
+    (128, 256, 64, 8, 8, 2, 1, False)]]
+ROWS_CANDIDATES = [GemmConfig(*c) for c in [
+    (128, 256, 64, 8, 8, 4, 2, False, True, 1), (128, 128, 64, 8, 8, 4, 2, False, True, 1),
+    (128, 128, 64, 8, 4, 3, 2, False, True, 2), (256, 128, 64, 8, 8, 3, 2, False, True, 1)]]
 
 
 @tilecomm.jit
@@ -50,8 +67,9 @@ def _pick(vec, idx, e):
 def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we, stride_w, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
-                 C_TMA: tl.constexpr, PRECISION: tl.constexpr, E_PAD: tl.constexpr):
-    """y [R, N] = x [R, K] @ w[e] per expert's rows; w[e] is [K, N] (or [N, K] read transposed)."""
+                 C_TMA: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr, E_PAD: tl.constexpr):
+    """y [R, N] = x [R, K] @ w[e] per expert's rows; w[e] is [K, N] (or [N, K] read transposed). FLATTEN: the
+    item loop and the K loop become one pipelined loop (the next item's loads overlap this one's epilogue)."""
     x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_M, BLOCK_K)
     w_desc = b_desc3(w_ptr, E, K, N, stride_we, stride_w, BLOCK_K, BLOCK_N, B_TRANS)
     y_desc = c_desc3(y_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_ym, stride_ym, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
@@ -59,7 +77,7 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
     tiles_n = tl.cdiv(N, BLOCK_N)
     starts, counts, item_ends = _expert_table(offs_ptr, R, E, tiles_n, BLOCK_M, E_PAD)
     idx = tl.arange(0, E_PAD)
-    for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0), flatten=FLATTEN):
         e = tl.sum((item_ends <= tile).to(tl.int32), 0)
         start, rows = _pick(starts, idx, e), _pick(counts, idx, e)
         tiles_m = tl.cdiv(rows, BLOCK_M)
@@ -76,20 +94,35 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
 
 
 @tilecomm.jit
+def _steps_of_program(offs_ptr, E, per_expert, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr):
+    """The row steps this program runs in `_wgrad_flat_kernel`: it takes items pid, pid + nprog, ... of the
+    E * per_expert items (numbered expert by expert), and an item of expert e takes max(1, cdiv(rows_e,
+    BLOCK_K)) steps (an empty expert: one all-masked step, which stores its zero tile)."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    idx = tl.arange(0, E_PAD)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx < E), other=0)
+    steps = tl.where(idx < E, tl.maximum(tl.cdiv(ends - starts, BLOCK_K), 1), 0)
+    first = idx * per_expert  # the expert's first item; items below x that are this program's: cdiv(x - pid, nprog)
+    mine = tl.cdiv(tl.maximum(first + per_expert - pid, 0), nprog) - tl.cdiv(tl.maximum(first - pid, 0), nprog)
+    return tl.sum(mine * steps, 0)
+
+
+@tilecomm.jit
 def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, C_TMA: tl.constexpr,
-                  PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; BLOCK_M tiles K, BLOCK_K steps over rows; ACC: the
-    accumulator type (fp32; fp64 for fp64 operands)."""
+                  EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; items (expert, K tile of BLOCK_M, N tile), one at a
+    time: the expert's full BLOCK_K-row steps straight from TMA tiles, then its last rows masked (rows of the
+    next expert are zeroed); ACC: the accumulator type (fp32; fp64 for fp64 operands)."""
     x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_K, BLOCK_M)
     dy_desc = desc3(dy_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_dym, stride_dym, BLOCK_K, BLOCK_N)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), E * tiles_m * tiles_n, tl.num_programs(0)):
-        e = tile // (tiles_m * tiles_n)
-        pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    for item in range(tl.program_id(0), E * tiles_m * tiles_n, tl.num_programs(0)):
+        e = item // (tiles_m * tiles_n)
+        pid_m, pid_n = tile_position(item % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(offs_ptr + e)
         acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
@@ -97,20 +130,72 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
         for i in tl.range(0, full):
             a = x_desc.load([0, start + i * BLOCK_K, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
             b = dy_desc.load([0, start + i * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a.T, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
         tail = start + full * BLOCK_K
-        if tail < end:  # the last rows of the expert: rows of the next expert are zeroed
+        if tail < end:
             a = x_desc.load([0, tail, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
             b = dy_desc.load([0, tail, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
             ok = (tail + tl.arange(0, BLOCK_K)) < end
-            acc = tl.dot(tl.where(ok[:, None], a, 0).T, b, acc, input_precision=PRECISION)
+            acc = tl.dot(tl.where(ok[:, None], a, 0).T, b, acc, input_precision=PRECISION, out_dtype=ACC)
         store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, pid_m * BLOCK_M,
                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
+
+
+@tilecomm.jit
+def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+                       E_PAD: tl.constexpr):
+    """`_wgrad_kernel`'s product for experts of few rows: the same items, BLOCK_K rows a step, every step masked.
+
+    One flat loop over this program's row steps, all its items in turn (the persistent-matmul form
+    before Triton fused loop nests itself: an expert's row count varies, so Triton would not fuse an
+    item loop with a row loop): the pipeliner then loads the next item's first rows while this item's
+    tile is converted and stored, and the TMA store of one item overlaps the next item's steps. With
+    ~128 rows per expert (a 256-expert layer) each item is two steps and a full-tile store: the
+    stores, not the MMAs, bound the kernel. Rows past the expert's end (the next expert's) are zeroed."""
+    x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_K, BLOCK_M)
+    dy_desc = desc3(dy_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_dym, stride_dym, BLOCK_K, BLOCK_N)
+    dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
+    tiles_m = tl.cdiv(K, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_expert = tiles_m * tiles_n
+    total = _steps_of_program(offs_ptr, E, per_expert, BLOCK_K, E_PAD)
+    item = tl.program_id(0) - tl.num_programs(0)
+    step = -1
+    num_steps = 0
+    e = 0
+    start = 0
+    end = 0
+    off_m = 0
+    off_n = 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    for _ in tl.range(0, total):
+        step = tl.where(step == num_steps - 1, 0, step + 1)
+        if step == 0:  # the next item
+            item += tl.num_programs(0)
+            e = item // per_expert
+            pid_m, pid_n = tile_position(item % per_expert, tiles_m, tiles_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            end = tl.load(offs_ptr + e)
+            num_steps = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
+        row = start + step * BLOCK_K
+        a = x_desc.load([0, row, off_m]).reshape(BLOCK_K, BLOCK_M)
+        b = dy_desc.load([0, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+        ok = (row + tl.arange(0, BLOCK_K)) < end
+        acc = tl.dot(tl.where(ok[:, None], a, 0).T, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        if step == num_steps - 1:
+            store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, off_m, off_n,
+                       BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
 
 
 # The kernels' launchers (compiled kernels by config and dtype; module-level like Triton's own kernel cache).
 _ROWS = CachedLaunch(_rows_kernel)
 _WGRAD_LAUNCH = CachedLaunch(_wgrad_kernel)
+_WGRAD_FLAT = CachedLaunch(_wgrad_flat_kernel)
 
 
 def _check(x, w, offs, check_offs: bool) -> None:
@@ -156,7 +241,7 @@ def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
     w_t, flip = tma_operand(w, allow_trans=True)  # w_t is w or w's transpose in the last two dims
     trans = w_trans != flip
     cfg = resolve_config(config, R // max(E, 1) + 1, N, x.dtype, x.device, lambda cfg: _launch_rows(
-        x_t, w_t, trans, y, offs, cfg))
+        x_t, w_t, trans, y, offs, cfg), table=_ROWS_TABLE)
     _launch_rows(x_t, w_t, trans, y, offs, cfg)
     return y
 
@@ -169,19 +254,24 @@ def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
                 PRECISION=dot_precision(x.dtype), E_PAD=triton.next_power_of_2(E + 1))
 
 
-def _wgrad(x, dy, offs, E: int, config) -> torch.Tensor:
-    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]."""
+def _wgrad(x, dy, offs, E: int, config, flat: bool | None = None) -> torch.Tensor:
+    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]. flat: the loop form (None: the flat one when the
+    experts have at most FLAT_MAX_ROWS rows on average); config: a GemmConfig, else _WGRAD's for the form."""
     (R, K), N = x.shape, dy.shape[1]
     dw = torch.empty((E, K, N), dtype=x.dtype, device=x.device)
     if R == 0 or K == 0 or N == 0:
         return dw.zero_()
     x_t, _ = tma_operand(x)
     dy_t, _ = tma_operand(dy.contiguous())
-    cfg = config if isinstance(config, GemmConfig) else _WGRAD["gpu" if x.is_cuda else "cpu"]
+    if flat is None:
+        flat = R <= FLAT_MAX_ROWS * E
+    form = "flat" if flat else "per_item"
+    cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
     tiles = E * triton.cdiv(K, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    launch_gemm(_WGRAD_LAUNCH, tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0), dy_t.stride(0),
-                dw.stride(0), dw.stride(1), C_TMA=dw.stride(1) * dw.element_size() % 16 == 0,
-                PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32)
+    extra = {"E_PAD": triton.next_power_of_2(E + 1)} if flat else {}
+    launch_gemm(_WGRAD_FLAT if flat else _WGRAD_LAUNCH, tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0),
+                dy_t.stride(0), dw.stride(0), dw.stride(1), C_TMA=dw.stride(1) * dw.element_size() % 16 == 0,
+                PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **extra)
     return dw
 
 
