@@ -49,9 +49,15 @@ def _wall_us(fn, calls: int = 20) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _err(x, ref) -> float:
-    ref = ref.float()
-    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+def _err(x, ref, chunk: int = 1 << 26) -> float:
+    """Relative Frobenius error of x against ref, in fp32 chunks (a 256-expert dw is 15 GB in bf16)."""
+    x, ref = x.reshape(-1), ref.reshape(-1)
+    diff = norm = 0.0
+    for i in range(0, ref.numel(), chunk):
+        r = ref[i:i + chunk].float()
+        diff += (x[i:i + chunk].float() - r).square().sum().item()
+        norm += r.square().sum().item()
+    return math.sqrt(diff) / max(math.sqrt(norm), 1e-30)
 
 
 def _row(op, shape, flops, fn, base_fn, baseline, err) -> dict:
@@ -149,13 +155,79 @@ def bench_grouped(dt, config) -> list:
     return rows
 
 
-def sweep(dt) -> list:
+def _cfg_name(cfg) -> str:
+    return (f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} g{cfg.GROUP_M} w{cfg.num_warps} s{cfg.num_stages} "
+            f"e{cfg.EPILOGUE_SPLIT} ws{int(cfg.WARP_SPECIALIZE)} f{int(cfg.FLATTEN)} p{cfg.PROGRAMS_PER_SM}")
+
+
+def sweep_grouped(dt, products: list, old_module: str | None = None) -> list:
+    """Every grouped.WGRAD_CANDIDATES (dw) or grouped.ROWS_CANDIDATES (fwd, dx) config on the named products
+    ("LAYER.proj.product"), beside torch._grouped_mm and, with old_module, that module's kernels (a previous
+    grouped.py) with their default configs; what grouped's tables are chosen from."""
+    import importlib.util
+
+    from tilecomm.overlap import grouped as g
+
+    old = None
+    if old_module:  # a file (e.g. a previous commit's grouped.py) loaded as a module of tilecomm.overlap
+        spec = importlib.util.spec_from_file_location("tilecomm.overlap._grouped_before", old_module)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    rows = []
+    for spec in products:
+        name, proj, prod = spec.split(".")
+        E, H, F, R = LAYERS[name]
+        K, N = (H, 2 * F) if proj == "gate_up" else (F, H)
+        offs = _routing(E, R)
+        x = torch.randn(R, K, device="cuda", dtype=dt)
+        w = torch.randn(E, K, N, device="cuda", dtype=dt) / math.sqrt(K) if prod != "dw" else None
+        dy = torch.randn(R, N, device="cuda", dtype=dt)
+        if prod == "dw":
+            theirs = lambda: torch._grouped_mm(x.t(), dy, offs=offs)  # noqa: E731
+            ours = lambda mod, cfg, flat=None: (mod._wgrad(x, dy, offs, E, cfg) if flat is None  # noqa: E731
+                                                else mod._wgrad(x, dy, offs, E, cfg, flat=flat))
+            candidates = g.WGRAD_CANDIDATES
+        else:
+            a, trans = (x, False) if prod == "fwd" else (dy, True)
+            theirs = (lambda: torch._grouped_mm(x, w, offs=offs)) if prod == "fwd" else (
+                lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs))
+            ours = lambda mod, cfg, a=a, trans=trans: mod._rows(a, w, offs, trans, cfg)  # noqa: E731
+            candidates = g.ROWS_CANDIDATES
+        ref = theirs()
+        base = _us(theirs)
+        flops = 2.0 * R * K * N
+        print(f"  sweep {spec}: torch._grouped_mm {base:9.1f} µs {flops / base / 1e6:5.0f} TFLOP/s", flush=True)
+        runs = [("default", g, None, {})] + ([("old", old, None, {})] if old else [])
+        if prod == "dw":  # both loop forms with their own default configs
+            runs += [("flat form", g, None, {"flat": True}), ("per-item form", g, None, {"flat": False})]
+        runs += [(_cfg_name(c), g, c, {}) for c in candidates]
+        best = None
+        for label, mod, cfg, kw in runs:
+            try:
+                err = _err(ours(mod, cfg, **kw), ref)
+                us = _us(lambda: ours(mod, cfg, **kw)) if err < TOL else float("nan")
+            except Exception as exc:  # reported, not fatal: a config that does not fit or compile
+                print(f"  sweep {spec} {label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
+                      flush=True)
+                continue
+            rows.append({"product": spec, "config": label, "us": us, "torch_us": base, "err": err})
+            print(f"  sweep {spec} {label:<44}: {us:9.1f} µs ratio {base / us:6.3f} (err {err:.1e})", flush=True)
+            if mod is g and us == us and (best is None or us < best[0]):
+                best = (us, label)
+        if best:
+            print(f"  best {spec}: {best[1]} ratio {base / best[0]:.3f}", flush=True)
+        x = w = dy = ref = None  # free the operands before the next product
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(dt, shapes=None) -> list:
     """Every candidate config on the matmul shapes (what tiles._TABLE is chosen from)."""
     from tilecomm.overlap import matmul
     from tilecomm.overlap.tiles import CANDIDATES
 
     rows = []
-    for M, N, K in MATMUL:
+    for M, N, K in shapes or MATMUL:
         a, b = torch.randn(M, K, device="cuda", dtype=dt), torch.randn(K, N, device="cuda", dtype=dt)
         ref, base = a @ b, _us(lambda: a @ b)
         best = None
@@ -167,9 +239,8 @@ def sweep(dt) -> list:
                 print(f"  sweep {M}x{N}x{K} {cfg}: failed: {str(exc).splitlines()[0][:100]}")
                 continue
             rows.append({"shape": f"{M}x{N}x{K}", "config": cfg.launch(), "us": us, "cublas_us": base, "err": err})
-            print(f"  sweep {M}x{N}x{K} {cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} g{cfg.GROUP_M} w{cfg.num_warps} "
-                  f"s{cfg.num_stages} e{cfg.EPILOGUE_SPLIT} ws{int(cfg.WARP_SPECIALIZE)}: {us:8.1f} µs "
-                  f"{100 * base / us:5.1f}% of cuBLAS (err {err:.1e})", flush=True)
+            print(f"  sweep {M}x{N}x{K} {_cfg_name(cfg)}: {us:8.1f} µs {100 * base / us:5.1f}% of cuBLAS "
+                  f"(err {err:.1e})", flush=True)
             if us == us and (best is None or us < best[0]):
                 best = (us, cfg)
         if best:
@@ -181,10 +252,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="matmul,ag_gemm,gemm_rs,grouped")
     p.add_argument("--sweep", action="store_true", help="time every candidate config on the matmul shapes first")
+    p.add_argument("--sweep-shapes", default=None, help="--sweep on these MxNxK shapes only (comma list)")
+    p.add_argument("--sweep-grouped", default=None,
+                   help="time every grouped candidate config on these products first (comma list of LAYER.proj.product)")
+    p.add_argument("--old-grouped", default=None, help="with --sweep-grouped: also time the kernels of this grouped.py file (a previous version)")
     p.add_argument("--autotune", action="store_true", help="pass a GemmTuner as config (tunes per shape bucket)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    ops = args.ops.split(",")
+    ops = [op for op in args.ops.split(",") if op]  # --ops "": the sweeps alone
     if not set(ops) <= {"matmul", "ag_gemm", "gemm_rs", "grouped"}:
         raise SystemExit(f"--ops: expected a comma list of matmul,ag_gemm,gemm_rs,grouped, got {args.ops!r}")
     if not torch.cuda.is_available():
@@ -194,8 +269,12 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     dt, config = torch.bfloat16, (GemmTuner() if args.autotune else None)
     out = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__}
+    print(f"{out['device']}, torch {out['torch']}, triton {out['triton']}", flush=True)
+    if args.sweep_grouped:
+        out["sweep_grouped"] = sweep_grouped(dt, args.sweep_grouped.split(","), args.old_grouped)
     if args.sweep:
-        out["sweep"] = sweep(dt)
+        shapes = [tuple(map(int, s.split("x"))) for s in args.sweep_shapes.split(",")] if args.sweep_shapes else None
+        out["sweep"] = sweep(dt, shapes)
     print(f"{'op':<26} {'shape':<22} {'µs':>9} {'TFLOP/s':>7} {'base µs':>9} {'TFLOP/s':>7} {'ratio':>6} "
           f"{'wall µs':>9} {'base wall':>9}  baseline")
     rows = bench_matmul(dt, config) if "matmul" in ops else []
