@@ -121,7 +121,7 @@ def main() -> None:
         ptx = kernel.asm["ptx"]
         print(json.dumps({
             "kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", "cubin_bytes": len(kernel.asm["cubin"]),
-            "release_sys_atomic": "sys.release" in ptx, "acquire_sys_atomic": "sys.acquire" in ptx,
+            "release_sys_atomic": "sys.release" in ptx, "acquire_sys": "sys.acquire" in ptx or "ld.acquire.sys" in ptx,
             "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
             "state_addr_inlined": str(0x7F0000001000) in ptx, "wgmma": "wgmma" in ptx,
             "local_memory": ".local" in ptx, "shared_bytes": kernel.metadata.shared, **_resources(kernel.asm["cubin"]),

@@ -1,9 +1,12 @@
 """Low-latency dispatch/combine tuning sweep (one GPU, world 1): 128 x 7168 bf16, top-8 of 256 experts.
 
-    python tests/ll_probe.py
+    python tests/ll_probe.py [--once]
 
-For each LowLatencyConfig: µs per call back to back, and each kernel's device time (torch.profiler),
-results checked against the default config's. Not a test (no assertions beyond equality)."""
+For each LowLatencyConfig: µs per call back to back, each kernel's device time (torch.profiler), and the
+send and receive roles timed apart (return_recv_hook: two launches of the dispatch kernel); results
+checked against the default config's. --once: the default config only, a few calls (for ncu). Not a
+test (no assertions beyond equality)."""
+import sys
 import time
 
 import torch
@@ -13,9 +16,8 @@ import tilecomm
 from tilecomm.dispatch import Dispatcher
 from tilecomm.dispatch import low_latency as ll
 
-CONFIGS = [dict(), dict(col_programs=2), dict(col_programs=1), dict(block_h=1024, col_programs=7),
-           dict(block_h=1024, col_programs=4), dict(block_h=4096, col_programs=2), dict(num_warps=8),
-           dict(block_rows=4), dict(block_rows=8), dict(block_rows=8, num_warps=8)]
+CONFIGS = [dict(), dict(col_programs=2), dict(block_h=4096, col_programs=2), dict(col_programs=1),
+           dict(block_h=1024, col_programs=4)]
 
 
 def per_call(fn, n=200):
@@ -37,7 +39,18 @@ def kernels(fn, n=20):
     return {e.key.strip("_")[:12]: round(e.device_time_total / n, 1) for e in p.key_averages() if e.device_time_total > 0}
 
 
+def roles(fn, name, n=20):
+    """Device µs of the first and second launch of kernel `name` in each call of fn (two roles)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    times = [e.device_time_total for e in p.events() if name in e.name and e.device_time_total > 0]
+    return round(sum(times[0::2]) / max(1, len(times[0::2])), 1), round(sum(times[1::2]) / max(1, len(times[1::2])), 1)
+
+
 def main():
+    once = "--once" in sys.argv
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
     T, H, E, K = 128, 7168, 256, 8
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -46,7 +59,7 @@ def main():
     w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), dim=1)
     default = ll.LowLatencyConfig.for_device
     want = None
-    for over in CONFIGS:
+    for over in CONFIGS[:1] if once else CONFIGS:
         base = default(torch.device("cuda"), H)
         cfg = ll.LowLatencyConfig(**{**base.__dict__, **over})
         ll.LowLatencyConfig.for_device = staticmethod(lambda device, hidden, cfg=cfg: cfg)
@@ -58,11 +71,19 @@ def main():
                 got = (res.tokens_per_expert.clone(), out.clone())  # combine's result depends on every row
                 want = got if want is None else want
                 same = all(torch.equal(a, b) for a, b in zip(got, want))
+                if once:
+                    for _ in range(3):
+                        d.combine(d.dispatch(x, idx, w).x, res.handle)
+                    torch.cuda.synchronize()
+                    print("once: done", flush=True)
+                    break
                 disp = per_call(lambda: d.dispatch(x, idx, w))
                 comb = per_call(lambda: d.combine(res.x, res.handle))
                 kd = kernels(lambda: d.dispatch(x, idx, w))
                 kc = kernels(lambda: d.combine(res.x, res.handle))
-            print(f"{str(over):55s} dispatch {disp:6.1f} µs {kd}  combine {comb:6.1f} µs {kc}  same={same}", flush=True)
+                send_us, recv_us = roles(lambda: d.dispatch(x, idx, w, return_recv_hook=True).recv_hook(), "dispatch_kernel")
+            print(f"{str(over):55s} dispatch {disp:6.1f} µs {kd} (send {send_us} + receive {recv_us} apart)  "
+                  f"combine {comb:6.1f} µs {kc}  same={same}", flush=True)
             d.free()
         except Exception as err:  # keep sweeping
             print(f"{str(over):55s} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)

@@ -42,7 +42,7 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
     assert rows["_exchange._pairs_kernel"]["release_sys_atomic"]  # signal: release at system scope
     assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_exchange._reduce_kernel"]["vector_16B"]
     assert rows["team._release_kernel"]["release_sys_atomic"]  # to PEs read from the team's table
-    assert rows["test_language._wait_cmp_kernel"]["acquire_sys_atomic"] and rows["test_language._wait_cmp_kernel"]["globaltimer"]
+    assert rows["test_language._wait_cmp_kernel"]["acquire_sys"] and rows["test_language._wait_cmp_kernel"]["globaltimer"]
     assert rows["test_language._symm_store_kernel"]["state_addr_inlined"]
     for gemm in ("ag_gemm._gemm_kernel", "gemm_rs._gemm_rs_kernel", "tiles._matmul_kernel", "grouped._rows_kernel",
                  "grouped._wgrad_kernel"):  # Hopper tensor-core MMA fed by TMA, no local memory (spills)

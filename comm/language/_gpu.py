@@ -148,6 +148,19 @@ def _globaltimer():
 
 
 @triton.jit
+def _load_acquire(sig):
+    """The word at sig, loaded with acquire semantics at system scope: a plain load, so many programs
+    polling one word do not queue at the memory's atomic unit as read-modify-writes would."""
+    if sig.dtype.element_ty.primitive_bitwidth == 64:
+        word = tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [sig.to(tl.int64)],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        word = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [sig.to(tl.int64)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    return word.to(sig.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
 def _fence_sys():
     tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -316,7 +329,7 @@ def wait(sig, value, cmp: tl.constexpr):
     state = _state_ptr()
     timeout = tl.load(state + 2)
     start = _globaltimer()
-    cur = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+    cur = _load_acquire(sig)
     ok = _compare(cur, value, cmp).to(tl.int32)
     while ok == 0:
         if _globaltimer() - start > timeout:
@@ -330,7 +343,7 @@ def wait(sig, value, cmp: tl.constexpr):
                 tl.store(err, ERR_WAIT_TIMEOUT)
             ok = tl.full((), 2, tl.int32)
         else:
-            cur = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+            cur = _load_acquire(sig)
             ok = _compare(cur, value, cmp).to(tl.int32)
     tl.debug_barrier()
     return cur
