@@ -10,7 +10,7 @@ from . import moe_gemm as mg
 
 _P64, _P32, _F32, _BF16 = "*i64", "*i32", "*fp32", "*bf16"
 _GEMM = dict(E_PAD=64, ACC=tl.float32, PRECISION="tf32")
-_GATE_UP, _DOWN_GRAD, _SCATTER = (dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=64) for m, n in ((64, 128), (128, 128), (128, 256)))
+_GATE_UP, _DOWN_GRAD, _SCATTER = (dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=64) for m, n in ((64, 128), (64, 128), (128, 256)))
 
 
 # int arguments that are multiples of 16 at the bench's shapes (hidden, ffn, max tokens, slots, strides): Triton

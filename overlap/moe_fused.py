@@ -78,13 +78,14 @@ class FusedMoEConfig:
     kernels' launches. wgrad: the weight gradients' grouped GEMM (None: grouped.py's default; fp32 / fp64
     need smaller tiles). block_h: columns per step of the row copies (send, reduce).
 
-    bf16 on GPUs, from tests/fused_moe_profile.py's sweep on one H100 at the pretraining preset's layer
-    (notes/moe.md), µs of both calls: with 128 x 128 tiles everywhere gate_up took 2082, down_grad 2348 (64
-    columns), scatter 2443; gate_up was fastest at 64 x 128 (4 warps, 4 stages: 1651; 254 registers, 98 KB of
-    shared memory: two programs fit an SM), down_grad at 128 x 128 (1531), scatter at 128 x 256 (1632)."""
+    bf16 on GPUs, from tests/fused_moe_profile.py on one H100 at the pretraining preset's layer (notes/moe.md;
+    µs of both calls, each kernel timed in the same layer run): 128 x 128 tiles everywhere ran gate_up 2082,
+    down_grad 2348 (64 columns), scatter 2443. gate_up: 64 x 128, 4 warps, 4 stages, one program per SM 1661
+    (two per SM: 1910). down_grad: 64 x 128, 4 warps, 3 stages, two per SM 1399 (128 x 128, one: 1528).
+    scatter: 128 x 256, 8 warps, 3 stages 1630 (128 x 128, 4 stages: 2209)."""
 
-    gate_up: FusedGemm = FusedGemm(GemmConfig(64, 128, 64, 8, 4, 4, 1, False), 2)
-    down_grad: FusedGemm = FusedGemm(GemmConfig(128, 128, 64, 8, 8, 3, 1, False))
+    gate_up: FusedGemm = FusedGemm(GemmConfig(64, 128, 64, 8, 4, 4, 1, False))
+    down_grad: FusedGemm = FusedGemm(GemmConfig(64, 128, 64, 8, 4, 3, 1, False), 2)
     scatter: FusedGemm = FusedGemm(GemmConfig(128, 256, 64, 8, 8, 3, 1, False))
     block_h: int = 256
     wgrad: Optional[GemmConfig] = None  # the weight gradients' grouped GEMM (None: grouped.py's default)

@@ -80,8 +80,8 @@ _DEFAULT = FusedMoEConfig()
 _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
 VARIANTS = {  # the default, then one change each
     "default": _DEFAULT,
-    "gate_up 1/SM": replace(_DEFAULT, gate_up=FusedGemm(_G(64, 128, 4, 4), 1)),
-    "down_grad 64x128 2/SM": replace(_DEFAULT, down_grad=FusedGemm(_G(64, 128, 4, 3), 2)),
+    "gate_up 2/SM": replace(_DEFAULT, gate_up=FusedGemm(_G(64, 128, 4, 4), 2)),
+    "down_grad 128x128 1/SM": replace(_DEFAULT, down_grad=FusedGemm(_G(128, 128, 8, 3), 1)),
     "scatter 128x128 s4": replace(_DEFAULT, scatter=FusedGemm(_G(128, 128, 8, 4))),
 }
 
