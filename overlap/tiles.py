@@ -66,7 +66,7 @@ def _kernel_kwargs(cfg: GemmConfig, launcher: CachedLaunch) -> dict:
     return {k: v for k, v in _launch_kwargs(cfg).items() if k in launcher.names or k in ("num_warps", "num_stages")}
 
 
-# Per shape bucket, from `python -m tilecomm.bench.gemm --sweep` (BENCHMARKS.md GEMM section, /work/notes/gemm.md):
+# Per shape bucket, from `python -m tilecomm.bench.gemm --sweep` (BENCHMARKS.md, GEMM section):
 # 128x256x64, 8 warps, 3 stages was best on every large shape. H200: GROUP_M 16 / 2-way epilogue split 96.3% of
 # cuBLAS (geomean, five bar shapes), GROUP_M 8 / no split 96.2%; H100 (8192x7168x8192, 8192x3584x4096):
 # GROUP_M 8 / no split 100.0% / 101.1%, GROUP_M 16 / split 96.5% / 102.1%: the table takes GROUP_M 8, no split.
