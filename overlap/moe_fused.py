@@ -69,6 +69,7 @@ class FusedGemm:
 
     tiles: GemmConfig
     programs_per_sm: int = 1
+    copy_cols: int = 64  # gate_up / down_grad: columns per step of the row copy into x_rows / g_rows
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,7 @@ class FusedMoEWorkspace:
         _gate_up_kernel[grid](
             st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R,
             H, F, self.num_local_experts, self.world_size, self.max_tokens, self.max_tokens * K, K, x_rows.stride(0),
-            w_gu.stride(0), w_gu.stride(1), up, BLOCK_W=_P2(self.world_size), **kw)
+            w_gu.stride(0), w_gu.stride(1), up, BLOCK_W=_P2(self.world_size), COPY_N=self.cfg.gate_up.copy_cols, **kw)
         self._release_stage()
         self._scatter_back(act, w_down, offs, row_pair, row_src, R, None, b_trans=False)
         out, _ = self._reduce(topk, T, weights, with_values=False)
@@ -353,7 +354,7 @@ class FusedMoEWorkspace:
             st.stage, st.words, w_dn, s.plan, s.offs, self._ptr(s.row_w, torch.float32), self._ptr(s.h, self.dtype),
             dh, g_rows, act_w, row_gw, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
             self.max_tokens * self.topk, self.topk, g_rows.stride(0), w_dn.stride(0), w_dn.stride(1),
-            BLOCK_W=_P2(self.world_size), **kw)
+            BLOCK_W=_P2(self.world_size), COPY_N=self.cfg.down_grad.copy_cols, **kw)
         self._release_stage()
         E_L = self.num_local_experts
         grad_w_down = self._wgrad(act_w[:R], g_rows[:R], s.offs) if need_down else None  # (w act)^T @ g

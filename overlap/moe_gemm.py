@@ -12,7 +12,8 @@ wrong products: the up half of gate_up, scattered elements of the down-projectio
 
 * `_gate_up_kernel` (forward GEMM1): for each row tile, wait for its rows' words (moe_comm.py send: flag
   and pair index), copy the staged token rows into x_rows [R, H], h = x @ w_gate_up[e] (gate and up columns
-  through two descriptors, UP elements apart, so no box straddles them), and the SwiGLU epilogue
+  through two descriptors, UP elements apart, so no box straddles them; both products in one main loop that
+  loads each x tile once: `_tile_dot_pair`), and the SwiGLU epilogue
   act = silu(g) * u. Writes h [R, 2F] and act [R, F] (what the backward needs) and each row's pair index,
   source rank and routing weight.
 * `_down_grad_kernel` (backward of GEMM2 + SwiGLU): the same waits over the token gradients g that the
@@ -64,11 +65,12 @@ def _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W: t
 
 
 @triton.jit
-def _copy_rows(stage_ptr, staged, rows_ptr, r, ok, H, stride, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """rows[r] = stage[staged] ([H] each, where ok), then a proxy fence and a barrier: this program's TMA
-    reads of rows r see the stores."""
-    for k in range(0, H, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
+def _copy_rows(stage_ptr, staged, rows_ptr, r, ok, H, stride, BLOCK_M: tl.constexpr, COPY_N: tl.constexpr):
+    """rows[r] = stage[staged] ([H] each, where ok) in steps of COPY_N columns (wide steps: more loads in flight,
+    fewer memory latencies in a row), then a proxy fence and a barrier: this program's TMA reads of rows r see
+    the stores."""
+    for k in range(0, H, COPY_N):
+        cols = k + tl.arange(0, COPY_N)
         m = ok[:, None] & (cols < H)[None, :]
         v = tl.load(stage_ptr + staged[:, None] * H + cols[None, :], mask=m)
         tl.store(rows_ptr + r[:, None].to(tl.int64) * stride + cols[None, :], v, mask=m)
@@ -94,6 +96,22 @@ def _tile_dot(a_desc, off_m, b_desc, e, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
+def _tile_dot_pair(a_desc, off_m, b1_desc, b2_desc, e, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """(A @ B1_e, A @ B2_e) at columns off_n.. of both, [BLOCK_M, BLOCK_N] each, in one main loop: each A tile
+    is loaded once for both products (gate and up), and one pipeline fills and drains per column step."""
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([0, off_m, k * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
+        b1 = b1_desc.load([e, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
+        b2 = b2_desc.load([e, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION, out_dtype=ACC)
+        acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION, out_dtype=ACC)
+    return acc1, acc2
+
+
+@triton.jit
 def _store_cols(ptr, r, ok, stride, c0, n, limit, vals, BLOCK_N: tl.constexpr):
     """vals [BLOCK_M, BLOCK_N] into ptr[r, c0 + n + j] for n + j < limit, in ptr's dtype."""
     cols = n + tl.arange(0, BLOCK_N)
@@ -105,7 +123,8 @@ def _store_cols(ptr, r, ok, stride, c0, n, limit, vals, BLOCK_N: tl.constexpr):
 def _gate_up_kernel(stage_ptr, words_ptr, pair_w_ptr, w_ptr, plan_ptr, offs_ptr, h_ptr, act_ptr, x_rows_ptr,
                     row_pair_ptr, row_src_ptr, row_w_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_xm, stride_we,
                     stride_wk, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_W: tl.constexpr, E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_W: tl.constexpr, COPY_N: tl.constexpr, E_PAD: tl.constexpr, ACC: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """w [E_l, H, *]: gate columns from 0, up columns from UP (elements; 16-byte aligned), F of each."""
     dtype = h_ptr.dtype.element_ty
     rows = tl.maximum(R, 1)
@@ -119,12 +138,12 @@ def _gate_up_kernel(stage_ptr, words_ptr, pair_w_ptr, w_ptr, plan_ptr, offs_ptr,
         tl.store(row_pair_ptr + r, pair.to(tl.int32), mask=ok)
         tl.store(row_src_ptr + r, src, mask=ok)
         tl.store(row_w_ptr + r, tl.load(pair_w_ptr + at, mask=ok, other=0.0), mask=ok)
-        _copy_rows(stage_ptr, staged, x_rows_ptr, r, ok, H, stride_xm, BLOCK_M, BLOCK_K)
+        _copy_rows(stage_ptr, staged, x_rows_ptr, r, ok, H, stride_xm, BLOCK_M, COPY_N)
         for n in range(0, F, BLOCK_N):
-            acc_g = _tile_dot(x_desc, off_m, gate_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, False, PRECISION, ACC)
+            acc_g, acc_u = _tile_dot_pair(x_desc, off_m, gate_desc, up_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K,
+                                          PRECISION, ACC)
             g = acc_g.to(dtype)  # h is rounded as the unfused grouped GEMM rounds it; SwiGLU reads it so
             _store_cols(h_ptr, r, ok, 2 * F, 0, n, F, g, BLOCK_N)
-            acc_u = _tile_dot(x_desc, off_m, up_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, False, PRECISION, ACC)
             u = acc_u.to(dtype)
             _store_cols(h_ptr, r, ok, 2 * F, F, n, F, u, BLOCK_N)
             gf = g.to(ACC)
@@ -158,7 +177,7 @@ def _swiglu_backward(acc, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n, BLOCK_N: tl
 def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr, h_ptr, dh_ptr, g_rows_ptr,
                       act_w_ptr, row_gw_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_gm, stride_we, stride_wf,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                      E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+                      COPY_N: tl.constexpr, E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.maximum(R, 1)
     g_desc = desc3(g_rows_ptr, 1, rows, H, tl.cast(rows, tl.int64) * stride_gm, stride_gm, BLOCK_M, BLOCK_K)
     w_desc = desc3(w_ptr, E_L, F, H, stride_we, stride_wf, BLOCK_N, BLOCK_K)  # w_down [E_l, F, H], read transposed
@@ -167,7 +186,7 @@ def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr
         e, off_m, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
         _, _, staged, _ = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
         wt = tl.load(row_w_ptr + r, mask=ok, other=0.0).to(ACC)
-        _copy_rows(stage_ptr, staged, g_rows_ptr, r, ok, H, stride_gm, BLOCK_M, BLOCK_K)
+        _copy_rows(stage_ptr, staged, g_rows_ptr, r, ok, H, stride_gm, BLOCK_M, COPY_N)
         gw = tl.zeros((BLOCK_M,), ACC)
         for n in range(0, F, BLOCK_N):
             acc = _tile_dot(g_desc, off_m, w_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION, ACC)

@@ -78,11 +78,11 @@ def profile_path(name, kind, layer, x, grad_out, steps, iters):
 
 _DEFAULT = FusedMoEConfig()
 _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
-VARIANTS = {  # the default, then one change each
+VARIANTS = {  # the default, then one change each (each compiles without spills for sm_90: tests/gpu_compile.py)
     "default": _DEFAULT,
-    "gate_up 2/SM": replace(_DEFAULT, gate_up=FusedGemm(_G(64, 128, 4, 4), 2)),
-    "down_grad 128x128 1/SM": replace(_DEFAULT, down_grad=FusedGemm(_G(128, 128, 8, 3), 1)),
-    "scatter 128x128 s4": replace(_DEFAULT, scatter=FusedGemm(_G(128, 128, 8, 4))),
+    "gate_up 128x128 w8": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3))),
+    "gate_up w8 copy128": replace(_DEFAULT, gate_up=FusedGemm(_G(64, 128, 8, 4), copy_cols=128)),
+    "down_grad w8 copy128": replace(_DEFAULT, down_grad=FusedGemm(_G(64, 128, 8, 3), 1, copy_cols=128)),
 }
 
 
