@@ -64,8 +64,35 @@ def syncs(fn) -> int:
     return measure.host_syncs(fn, True)
 
 
-def profile_path(name, kind, layer, x, grad_out, steps, iters):
+def results(layer, x, grad_out, to_host: bool):
+    """Output and every gradient of one forward + backward (compared across paths; to_host: copies in host
+    memory, since a DeepSeek-like layer's gradients alone take 22.5 GB)."""
+    y = _step(layer, x, grad_out)
+    out = [y.detach(), x.grad] + [q.grad for q in layer.parameters()]
+    return [t.to("cpu") if to_host else t for t in out]
+
+
+def rel_diff(a, ref, chunk: int = 1 << 26) -> float:
+    """|a - ref| / |ref| (Frobenius), in fp32 chunks on a's device (ref may be in host memory)."""
+    a, ref = a.reshape(-1), ref.reshape(-1)
+    diff = norm = 0.0
+    for i in range(0, ref.numel(), chunk):
+        r = ref[i:i + chunk].to(a.device).float()
+        diff += (a[i:i + chunk].float() - r).square().sum().item()
+        norm += r.square().sum().item()
+    return (diff / max(norm, 1e-60)) ** 0.5
+
+
+def profile_path(name, kind, layer, x, grad_out, steps, iters, reference=None):
+    """Profile one path; with reference (the unfused path's results()) first say how far this one is from it."""
     step = lambda: _step(layer, x, grad_out)  # noqa: E731
+    diff = None
+    if reference is not None:
+        names = ["out", "grad x"] + [f"grad {n}" for n, _ in layer.named_parameters()]
+        diffs = {n: rel_diff(a, b) for n, a, b in zip(names, results(layer, x, grad_out, False), reference)}
+        diff = max(diffs.values())
+        say(f"{name} / {kind}: max relative difference from the unfused path {diff:.2e} (" +
+            ", ".join(f"{n} {v:.1e}" for n, v in diffs.items()) + ")")
     us = measure.per_call_us(step, iters, 3, on_gpu=True)
     table, gpu = kernels(step, steps)
     n_sync = syncs(step)
@@ -73,7 +100,7 @@ def profile_path(name, kind, layer, x, grad_out, steps, iters):
         f"{sum(v[0] for v in table.values()):.0f} kernels, {n_sync} host syncs")
     for k, (count, t) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         say(f"  {t:9.1f} µs {count:5.1f}x  {k}")
-    return dict(us=us, gpu_us=gpu, syncs=n_sync, kernels=table)
+    return dict(us=us, gpu_us=gpu, syncs=n_sync, kernels=table, max_rel_diff=diff)
 
 
 _DEFAULT = FusedMoEConfig()
@@ -95,8 +122,9 @@ def run_preset(name, p, args, report):
     grad_out = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(c.dtype)
     d = make_dispatcher(c, "tilecomm")
     layer = MoELayer(c, dispatcher=d, device=dev)
-    rows = {}
+    rows, reference = {}, None
     try:
+        reference = results(layer, x, grad_out, True)
         if not args.fused_only:
             rows["tilecomm"] = profile_path(name, "tilecomm", layer, x, grad_out, args.steps, args.iters)
     finally:
@@ -108,7 +136,8 @@ def run_preset(name, p, args, report):
             ws = FusedMoEWorkspace(c.num_experts, c.hidden, c.ffn_hidden, c.max_tokens_per_rank, c.topk, c.dtype,
                                    config=cfg)
             layer.dispatcher = ws
-            rows[f"fused:{vname}"] = profile_path(name, f"fused:{vname}", layer, x, grad_out, args.steps, args.iters)
+            rows[f"fused:{vname}"] = profile_path(name, f"fused:{vname}", layer, x, grad_out, args.steps, args.iters,
+                                                  reference)
         except Exception as err:  # keep the other variants
             say(f"{name} fused:{vname} failed: {type(err).__name__}: {str(err)[:300]}")
         finally:
@@ -145,7 +174,9 @@ def main():
     for name, rows in report.items():
         for kind, r in rows.items():
             top = sorted(r["kernels"].items(), key=lambda kv: -kv[1][1])[:6]
-            print(f"{name:12s} {kind:16s} {r['us']:9.1f} µs wall {r['gpu_us']:9.1f} GPU {r['syncs']:3d} syncs | " +
+            vs = f" {rows['tilecomm']['us'] / r['us']:5.2f}x" if "tilecomm" in rows and kind != "tilecomm" else "      "
+            err = f" diff {r['max_rel_diff']:.1e}" if r.get("max_rel_diff") is not None else ""
+            print(f"{name:12s} {kind:22s} {r['us']:9.1f} µs wall{vs}{err} {r['gpu_us']:9.1f} GPU {r['syncs']:3d} syncs | " +
                   "; ".join(f"{k[:28]} {v[1]:.0f}" for k, v in top))
     tilecomm.finalize()
 
