@@ -15,7 +15,7 @@ _GATE_UP, _DOWN_GRAD, _SCATTER = (dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=64) for m, 
 
 # int arguments that are multiples of 16 at the bench's shapes (hidden, ffn, max tokens, slots, strides): Triton
 # specialises them so at launch, and the gathers' vector width (16-byte cp.async, pipelined) depends on it
-_ALIGNED = ("H", "F", "M", "S", "KA", "N", "UP", "stride_xm", "stride_gm", "stride_we", "stride_wk", "stride_wf",
+_ALIGNED = ("H", "F", "M", "S", "KA", "N", "ITEM_N", "UP", "stride_xm", "stride_gm", "stride_we", "stride_wk", "stride_wf",
             "stride_am", "stride_w")
 
 
@@ -42,12 +42,12 @@ def gpu_compile_cases() -> list:
                    ACC=tl.float32)),
         _case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16,
                                    "x_rows_ptr": _BF16, "row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32},
-              dict(_GEMM, **_GATE_UP, BLOCK_W=8, COPY_N=64)),
+              dict(_GEMM, **_GATE_UP, BLOCK_W=8, COPY_N=128)),
         _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16,
                                      "g_rows_ptr": _BF16, "act_w_ptr": _BF16, "row_gw_ptr": _F32},
               dict(_GEMM, **_DOWN_GRAD, BLOCK_W=8, COPY_N=64)),
         _case(mg._scatter_kernel, {"a_ptr": _BF16, "w_ptr": _BF16, "offs_ptr": _P32, "row_pair_ptr": _P32,
                                    "row_src_ptr": _P32, "vals_ptr": _F32, "back_ptr": _BF16,
-                                   "back_w_ptr": _F32, "flags_ptr": _P64, "consumed_ptr": _P64},
-              dict(_GEMM, **_SCATTER, B_TRANS=True, HAS_VALS=True, ALIGN=8)),
+                                   "back_w_ptr": _F32, "flags_ptr": _P64, "consumed_ptr": _P64, "done_ptr": _P32},
+              dict(_GEMM, **_SCATTER, GROUP_M=8, B_TRANS=True, HAS_VALS=True, ALIGN=8)),
     ]

@@ -70,6 +70,12 @@ class FusedGemm:
     tiles: GemmConfig
     programs_per_sm: int = 1
     copy_cols: int = 64  # gate_up / down_grad: columns per step of the row copy into x_rows / g_rows
+    item_cols: int = 0  # scatter: output columns per work item (a multiple of BLOCK_N); 0: a row tile's every column
+
+    def __post_init__(self):
+        if self.item_cols < 0 or self.item_cols % self.tiles.BLOCK_N:
+            raise ValueError(f"FusedGemm: item_cols={self.item_cols}; expected 0 or a positive multiple of "
+                             f"BLOCK_N={self.tiles.BLOCK_N}")
 
 
 @dataclass(frozen=True)
@@ -79,13 +85,16 @@ class FusedMoEConfig:
     kernels' launches. wgrad: the weight gradients' grouped GEMM (None: grouped.py's default; fp32 / fp64
     need smaller tiles). block_h: columns per step of the row copies (send, reduce).
 
-    bf16 on GPUs, from tests/fused_moe_profile.py on one H100 at the pretraining preset's layer (notes/moe.md;
+    bf16 on GPUs, from tests/fused_moe_profile.py on one H100 at the pretraining preset's layer (BENCHMARKS.md;
     µs of both calls, each kernel timed in the same layer run): 128 x 128 tiles everywhere ran gate_up 2082,
-    down_grad 2348 (64 columns), scatter 2443. gate_up: 64 x 128, 4 warps, 4 stages, one program per SM 1661
-    (two per SM: 1910). down_grad: 64 x 128, 4 warps, 3 stages, two per SM 1399 (128 x 128, one: 1528).
-    scatter: 128 x 256, 8 warps, 3 stages 1630 (128 x 128, 4 stages: 2209)."""
+    down_grad 2348 (64 columns), scatter 2443. gate_up (gate and up products in one loop since 97e0760):
+    64 x 128, 8 warps, 4 stages, row copies 128 columns a step: 1263 (4 warps, 64 columns: 1368; 128 x 128,
+    8 warps: 1475; the two-loop kernel before: 1661). down_grad: 64 x 128, 4 warps, 3 stages, two per SM 1399
+    (128 x 128, one: 1528; 8 warps with 128-column copies: 1502). scatter: 128 x 256, 8 warps, 3 stages 1630
+    (128 x 128, 4 stages: 2209); items of whole row tiles (item_cols 0): items of 256 columns (for wide hidden
+    sizes, where whole-row items stream an expert's weights once per row tile) are not measured yet."""
 
-    gate_up: FusedGemm = FusedGemm(GemmConfig(64, 128, 64, 8, 4, 4, 1, False))
+    gate_up: FusedGemm = FusedGemm(GemmConfig(64, 128, 64, 8, 8, 4, 1, False), copy_cols=128)
     down_grad: FusedGemm = FusedGemm(GemmConfig(64, 128, 64, 8, 4, 3, 1, False), 2)
     scatter: FusedGemm = FusedGemm(GemmConfig(128, 256, 64, 8, 8, 3, 1, False))
     block_h: int = 256
@@ -176,6 +185,9 @@ class FusedMoEWorkspace:
         self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
         self._launches = torch.zeros(2, dtype=torch.int32, device=dev)  # last-program counters: route, reduce
+        # scatter: items done per row tile (at most W * M * K rows received), reset by the kernel after each launch
+        self._row_tiles_done = torch.zeros(triton.cdiv(W * max_tokens_per_rank * topk, self.cfg.scatter.tiles.BLOCK_M)
+                                           + self.num_local_experts + 1, dtype=torch.int32, device=dev)
         self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
         self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._event = torch.cuda.Event() if dev.type == "cuda" else None
@@ -262,11 +274,11 @@ class FusedMoEWorkspace:
             return torch.stack([p.T @ q for p, q in zip(a.split(counts), b.split(counts))])
         return _wgrad(a, b, offs, E_L, self.cfg.wgrad)
 
-    def _gemm_args(self, launch: FusedGemm, R: int):
-        """(grid, launch keywords) of a fused GEMM kernel over R rows: one item per BLOCK_M rows of an expert
-        (at most R / BLOCK_M + E_l items)."""
+    def _gemm_args(self, launch: FusedGemm, R: int, col_items: int = 1):
+        """(grid, launch keywords) of a fused GEMM kernel over R rows: col_items items per BLOCK_M rows of an
+        expert (at most R / BLOCK_M + E_l row tiles)."""
         g = launch.tiles
-        tiles = triton.cdiv(R, g.BLOCK_M) + self.num_local_experts
+        tiles = (triton.cdiv(R, g.BLOCK_M) + self.num_local_experts) * col_items
         programs = min(tiles, launch.programs_per_sm * num_programs(tiles, self.device))
         return (programs,), dict(
             BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
@@ -278,12 +290,14 @@ class FusedMoEWorkspace:
         st = self.state
         a_t, _ = tma_operand(a)
         w_t, _ = tma_operand(w)
-        grid, kw = self._gemm_args(self.cfg.scatter, R)
+        launch, N = self.cfg.scatter, self.hidden
+        item_n = launch.item_cols or triton.cdiv(N, launch.tiles.BLOCK_N) * launch.tiles.BLOCK_N
+        grid, kw = self._gemm_args(launch, R, triton.cdiv(N, item_n))
         _scatter_kernel[grid](
             a_t, w_t, offs, self._ptr(row_pair, torch.int32), self._ptr(row_src, torch.int32),
-            self._ptr(vals, torch.float32), st.back, st.back_w, st.flags,
-            st.consumed[1], self.seq[2], R, a.shape[1], self.hidden, self.num_local_experts, self.world_size,
-            a_t.stride(0), w_t.stride(0), w_t.stride(1), B_TRANS=b_trans, HAS_VALS=vals is not None,
+            self._ptr(vals, torch.float32), st.back, st.back_w, st.flags, st.consumed[1], self._row_tiles_done,
+            self.seq[2], R, a.shape[1], N, item_n, self.num_local_experts, self.world_size, a_t.stride(0),
+            w_t.stride(0), w_t.stride(1), GROUP_M=launch.tiles.GROUP_M, B_TRANS=b_trans, HAS_VALS=vals is not None,
             ALIGN=16 // a.element_size(), **kw)
 
     def _reduce(self, topk, T: int, coef, with_values: bool):

@@ -23,7 +23,8 @@ wrong products: the up half of gate_up, scattered elements of the down-projectio
 * `_scatter_kernel` (forward GEMM2, backward of GEMM1): y = a @ w[e] (w[e]^T with B_TRANS), rounded to the
   data type as the unfused grouped GEMM's output, stored straight into the source rank's back[t * K + k] (the
   source applies the routing weight as it sums: moe_comm.py reduce; with HAS_VALS one float per row into its
-  back_w), then the row's flag SET to seq there (release).
+  back_w), then the row's flag SET to seq there (release). Its items may split a row tile's columns (ITEM_N):
+  the item that completes a row tile sets the flags.
 """
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from tilecomm.dispatch._device import peer_offset, wait_all
+from tilecomm.dispatch._device import last_of, peer_offset, wait_all
 
 from .grouped import _expert_table, _pick
 from .moe_comm import wait_words
-from .tiles import b_desc3, desc3, proxy_fence, split_cols
+from .tiles import b_desc3, desc3, proxy_fence, split_cols, tile_position
 
 
 @triton.jit
@@ -199,29 +200,46 @@ def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr
 
 @tilecomm.jit(do_not_specialize=["seq"])
 def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr, back_ptr, back_w_ptr,
-                    flags_ptr, consumed_ptr, seq, R, KA, N, E_L, W, stride_am, stride_we, stride_w,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
-                    B_TRANS: tl.constexpr, HAS_VALS: tl.constexpr, ALIGN: tl.constexpr,
+                    flags_ptr, consumed_ptr, done_ptr, seq, R, KA, N, ITEM_N, E_L, W, stride_am, stride_we, stride_w,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    E_PAD: tl.constexpr, B_TRANS: tl.constexpr, HAS_VALS: tl.constexpr, ALIGN: tl.constexpr,
                     ACC: tl.constexpr, PRECISION: tl.constexpr):
-    """a [R, KA] expert-major, w [E_l, KA, N] (B_TRANS: [E_l, N, KA]); rows go to back[pair] on their source."""
+    """a [R, KA] expert-major, w [E_l, KA, N] (B_TRANS: [E_l, N, KA]); rows go to back[pair] on their source.
+
+    Items are (row tile, ITEM_N columns) of one expert, GROUP_M row tiles per band (tiles.tile_position), so the
+    programs running at one time share an expert's weight columns in L2: with wide N (7168) and few rows per
+    expert, items that own whole row tiles read each expert's weights once per row tile from memory. The item
+    that finishes a row tile's last columns (done_ptr: a counter per row tile, reset by that item) releases its
+    rows' flags."""
     dtype = back_ptr.dtype.element_ty
     a_desc = desc3(a_ptr, 1, R, KA, tl.cast(R, tl.int64) * stride_am, stride_am, BLOCK_M, BLOCK_K)
     w_desc = b_desc3(w_ptr, E_L, KA, N, stride_we, stride_w, BLOCK_K, BLOCK_N, B_TRANS)
-    starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
+    col_items = tl.cdiv(N, ITEM_N)
+    starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, col_items, BLOCK_M, E_PAD)
+    idx = tl.arange(0, E_PAD)
     wait_all(consumed_ptr, seq - 1, W)  # every source has reduced my previous call's rows
-    for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
-        e, off_m, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
+    for item in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
+        e = tl.sum((item_ends <= item).to(tl.int32), 0)
+        start, rows = _pick(starts, idx, e), _pick(counts, idx, e)
+        tiles_m = tl.cdiv(rows, BLOCK_M)
+        first = _pick(item_ends, idx, e) - tiles_m * col_items  # the expert's first item
+        pid_m, pid_c = tile_position(item - first, tiles_m, col_items, GROUP_M)
+        row_tile = first // col_items + pid_m  # row tiles are numbered expert by expert too
+        r = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = r < start + rows
         pair = tl.load(row_pair_ptr + r, mask=ok, other=0).to(tl.int64)
         src = tl.load(row_src_ptr + r, mask=ok, other=0)
         dst = peer_offset(back_ptr, src, ALIGN) + pair * N  # element offsets of the rows on their sources
-        for n in range(0, N, BLOCK_N):
-            acc = _tile_dot(a_desc, off_m, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, PRECISION, ACC)
+        for n in range(pid_c * ITEM_N, tl.minimum(N, pid_c * ITEM_N + ITEM_N), BLOCK_N):
+            acc = _tile_dot(a_desc, start + pid_m * BLOCK_M, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
+                            PRECISION, ACC)
             y = acc.to(dtype)  # rounded as the unfused grouped GEMM's output
             cols = n + tl.arange(0, BLOCK_N)
             tl.store(back_ptr + dst[:, None] + cols[None, :], y, mask=ok[:, None] & (cols < N)[None, :])
-        if HAS_VALS:
-            tl.store(back_w_ptr + peer_offset(back_w_ptr, src, 1) + pair, tl.load(vals_ptr + r, mask=ok), mask=ok)
-        tcl.fence()  # this thread's row stores are ordered before the flags...
-        tl.debug_barrier()  # ...for every thread of the program
-        tl.atomic_xchg(flags_ptr + peer_offset(flags_ptr, src, 1) + pair, tl.full((BLOCK_M,), seq, tl.int64),
-                       mask=ok, sem="release", scope="sys")
+        if last_of(done_ptr + row_tile, col_items):  # (fences: this item's stores are ordered before its count)
+            if HAS_VALS:
+                tl.store(back_w_ptr + peer_offset(back_w_ptr, src, 1) + pair, tl.load(vals_ptr + r, mask=ok), mask=ok)
+            tcl.fence()  # this thread's stores (and, by the count's acquire, every item's) before the flags...
+            tl.debug_barrier()  # ...for every thread of the program
+            tl.atomic_xchg(flags_ptr + peer_offset(flags_ptr, src, 1) + pair, tl.full((BLOCK_M,), seq, tl.int64),
+                           mask=ok, sem="release", scope="sys")

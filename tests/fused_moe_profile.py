@@ -107,11 +107,10 @@ _DEFAULT = FusedMoEConfig()
 _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
 VARIANTS = {  # the default, then one change each (each compiles without spills for sm_90: tests/gpu_compile.py)
     "default": _DEFAULT,
-    "gate_up 128x128 w8": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3))),
-    "gate_up w8 copy128": replace(_DEFAULT, gate_up=FusedGemm(_G(64, 128, 8, 4), copy_cols=128)),
-    "down_grad w8 copy128": replace(_DEFAULT, down_grad=FusedGemm(_G(64, 128, 8, 3), 1, copy_cols=128)),
+    "scatter items of 256 cols": replace(_DEFAULT, scatter=FusedGemm(_G(128, 256, 8, 3), item_cols=256)),
+    "scatter 128 cols 128x128": replace(_DEFAULT, scatter=FusedGemm(_G(128, 128, 8, 4), item_cols=128)),
+    "gate_up 128x128 w8 copy64": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3))),
 }
-
 
 def run_preset(name, p, args, report):
     dev = tilecomm.current().device

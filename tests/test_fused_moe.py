@@ -12,6 +12,8 @@ import tilecomm
 from tilecomm.dispatch import Dispatcher
 from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
 from tilecomm.overlap import FusedMoEWorkspace, fused_moe, fused_moe_reference
+from tilecomm.overlap.moe_fused import FusedGemm, FusedMoEConfig
+from tilecomm.overlap.tiles import GemmConfig
 
 H, F, M = 32, 16, 24  # hidden, ffn hidden, max tokens per rank
 TOL = dict(rtol=1e-9, atol=1e-9)
@@ -50,22 +52,32 @@ def _run(op, leaves, idx, grad_out, comm):
     return [out] + [t.grad for t in leaves]
 
 
+def _split_columns_config() -> FusedMoEConfig:
+    """The device's config with scatter items of 16 columns (two per row tile at H = 32) in bands of 2 row tiles."""
+    cfg = FusedMoEConfig.for_device(tilecomm.current().device, H, torch.float64)
+    tiles = cfg.scatter.tiles
+    return FusedMoEConfig(cfg.gate_up, cfg.down_grad, FusedGemm(GemmConfig(tiles.BLOCK_M, 16, tiles.BLOCK_K, 2,
+                          tiles.num_warps, tiles.num_stages, 1, False), item_cols=16), cfg.block_h, cfg.wgrad)
+
+
 def functional_body(cases):
     """fused_moe against fused_moe_reference over a tilecomm Dispatcher, case by case; the fused workspace
-    runs each case twice (its channels' second call)."""
+    runs each case twice (its channels' second call); the first case also with scatter items that split a
+    row tile's columns (the item finishing a row tile sets its flags)."""
     rank, world = tilecomm.rank(), tilecomm.world_size()
-    for case in cases:
+    for i, case in enumerate(cases):
         E, K = case[0], case[1]
         leaves, idx, grad_out = _inputs(case, rank, world)
         d = Dispatcher(E, H, M, K, torch.float64)
         expect = _run(fused_moe_reference, leaves, idx, grad_out, d)
         d.free()
-        ws = FusedMoEWorkspace(E, H, F, M, K, torch.float64)
-        for _ in range(2):
-            got = _run(fused_moe, leaves, idx, grad_out, ws)
-            for name, a, b in zip(("out", "x", "topk_weights", "w_gate_up", "w_down"), got, expect):
-                torch.testing.assert_close(a, b.to(a.dtype), **TOL, msg=lambda m: f"{case} {name}: {m}")
-        ws.free()
+        for config, calls in ((None, 2),) + (((_split_columns_config(), 2),) if i == 0 else ()):
+            ws = FusedMoEWorkspace(E, H, F, M, K, torch.float64, config=config)
+            for _ in range(calls):
+                got = _run(fused_moe, leaves, idx, grad_out, ws)
+                for name, a, b in zip(("out", "x", "topk_weights", "w_gate_up", "w_down"), got, expect):
+                    torch.testing.assert_close(a, b.to(a.dtype), **TOL, msg=lambda m: f"{case} {name}: {m}")
+            ws.free()
 
 
 def layer_body(E, K):
