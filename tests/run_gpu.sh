@@ -12,6 +12,8 @@
 #   bench  every tilecomm.bench op against NCCL (needs 2+ GPUs)             -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
+#   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
+#          unfused path and timed beside it (MOE_VARIANTS: layers that run them)  -> $OUT/profile.{txt,json}
 set -uo pipefail
 PHASES="${*:-gemm tests bench train}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
@@ -35,6 +37,11 @@ fi
 if has moe; then
   timeout "${MOE_TIMEOUT:-420}" python3 -m tilecomm.bench moe_layer --json "$OUT/moe_layer.json" 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/moe_layer.log"
+fi
+
+if has moeprofile; then
+  timeout "${MOE_PROFILE_TIMEOUT:-420}" python3 tests/fused_moe_profile.py --variants "${MOE_VARIANTS:-pretrain,deepseek_v3}" \
+    --steps 2 --iters 8 --out "$OUT" 2>&1 | sed -u "s/.*named symbol not found//" | grep -v "µs .*x  " | grep -v "^\s*$"
 fi
 
 if has gemm; then
