@@ -30,6 +30,7 @@ def _case(kernel, pointers: dict, constexprs: dict, wide=("seq", "stride_we")):
 
 def gpu_compile_cases() -> list:
     gather = {"stage_ptr": _BF16, "words_ptr": _P64, "plan_ptr": _P64, "offs_ptr": _P32, "w_ptr": _BF16}
+    rows = {"row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32}
     return [
         _case(mc._send_kernel, {"x_ptr": _BF16, "topk_ptr": _P64, "w_ptr": _F32, "counts_ptr": _P32, "slots_ptr": _P32,
                                 "stage_ptr": _BF16, "pair_w_ptr": _F32, "words_ptr": _P64, "consumed_ptr": _P64},
@@ -40,9 +41,12 @@ def gpu_compile_cases() -> list:
                                   "counter_ptr": _P32},
               dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_H=256, HAS_COEF=True, HAS_VALUES=True,
                    ACC=tl.float32)),
-        _case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16,
-                                   "x_rows_ptr": _BF16, "row_pair_ptr": _P32, "row_src_ptr": _P32, "row_w_ptr": _F32},
-              dict(_GEMM, **_GATE_UP, BLOCK_W=8, COPY_N=128)),
+        *(_case(mg._gate_up_kernel, {**gather, "pair_w_ptr": _F32, "h_ptr": _BF16, "act_ptr": _BF16,
+                                     "x_rows_ptr": _BF16, **rows},
+                dict(_GEMM, **_GATE_UP, GROUP_M=8, GATHER=gather_here, BLOCK_W=8, COPY_N=128))
+          for gather_here in (True, False)),
+        _case(mg._gather_kernel, {**gather, "pair_w_ptr": _F32, "x_rows_ptr": _BF16, **rows},
+              dict(BLOCK_M=64, BLOCK_W=8, COPY_N=128, E_PAD=64)),
         _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16,
                                      "g_rows_ptr": _BF16, "act_w_ptr": _BF16, "row_gw_ptr": _F32},
               dict(_GEMM, **_DOWN_GRAD, BLOCK_W=8, COPY_N=64)),

@@ -53,7 +53,7 @@ from tilecomm.errors import PeerMismatchError
 
 from .grouped import _wgrad
 from .moe_comm import _reduce_kernel, _send_kernel
-from .moe_gemm import _down_grad_kernel, _gate_up_kernel, _scatter_kernel
+from .moe_gemm import _down_grad_kernel, _gate_up_kernel, _gather_kernel, _scatter_kernel
 from .team import _release_kernel, team_of
 from .tiles import GemmConfig, dot_precision, num_programs, prepare_tma, tma_operand
 
@@ -63,14 +63,18 @@ _P2 = triton.next_power_of_2
 @dataclass(frozen=True)
 class FusedGemm:
     """One fused GEMM kernel's launch: tiles (BLOCK_M rows per item, BLOCK_N output / BLOCK_K reduction columns
-    per step, warps, pipeline stages; GROUP_M, EPILOGUE_SPLIT and WARP_SPECIALIZE are not used) and persistent
-    programs per SM (2: one program's row gathers, pipeline fills and epilogue run beside another's main loop;
-    only where two fit in an SM's registers and shared memory, else the second half of the grid waits)."""
+    per step, warps, pipeline stages; GROUP_M: row tiles per band when items split the columns; EPILOGUE_SPLIT and
+    WARP_SPECIALIZE are not used) and persistent programs per SM (2: one program's row gathers, pipeline fills
+    and epilogue run beside another's main loop; only where two fit in an SM's registers and shared memory,
+    else the second half of the grid waits). item_cols > 0 (gate_up, scatter) splits a row tile's output
+    columns over items, so that the programs running at one time share an expert's weight columns in L2
+    (wide layers: whole-row items each stream all of their expert's weights); gate_up then gathers the rows
+    in a launch of its own first (`_gather_kernel`)."""
 
     tiles: GemmConfig
     programs_per_sm: int = 1
     copy_cols: int = 64  # gate_up / down_grad: columns per step of the row copy into x_rows / g_rows
-    item_cols: int = 0  # scatter: output columns per work item (a multiple of BLOCK_N); 0: a row tile's every column
+    item_cols: int = 0  # gate_up, scatter: output columns per work item (a multiple of BLOCK_N); 0: all of a row tile's
 
     def __post_init__(self):
         if self.item_cols < 0 or self.item_cols % self.tiles.BLOCK_N:
@@ -284,6 +288,11 @@ class FusedMoEWorkspace:
             BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
             ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=g.num_warps, num_stages=g.num_stages)
 
+    @staticmethod
+    def _item_cols(launch: FusedGemm, N: int) -> int:
+        """Output columns per work item of a GEMM with N of them (launch.item_cols; 0: all, rounded up to BLOCK_N)."""
+        return launch.item_cols or triton.cdiv(N, launch.tiles.BLOCK_N) * launch.tiles.BLOCK_N
+
     def _scatter_back(self, a, w, offs, row_pair, row_src, R, vals, b_trans: bool) -> None:
         """Rows a[R, KA] @ w[e] (w[e]^T with b_trans) into their sources' back rows (+ per-row vals)."""
         self.seq[2] += 1
@@ -291,7 +300,7 @@ class FusedMoEWorkspace:
         a_t, _ = tma_operand(a)
         w_t, _ = tma_operand(w)
         launch, N = self.cfg.scatter, self.hidden
-        item_n = launch.item_cols or triton.cdiv(N, launch.tiles.BLOCK_N) * launch.tiles.BLOCK_N
+        item_n = self._item_cols(launch, N)
         grid, kw = self._gemm_args(launch, R, triton.cdiv(N, item_n))
         _scatter_kernel[grid](
             a_t, w_t, offs, self._ptr(row_pair, torch.int32), self._ptr(row_src, torch.int32),
@@ -334,11 +343,21 @@ class FusedMoEWorkspace:
         row_pair, row_src = (torch.empty(rows, dtype=torch.int32, device=dev) for _ in range(2))
         row_w = torch.empty(rows, dtype=torch.float32, device=dev)
         w_gu, up = _gate_up_operand(w_gate_up, F)
-        grid, kw = self._gemm_args(self.cfg.gate_up, R)
+        launch = self.cfg.gate_up
+        item_n = self._item_cols(launch, F)
+        gather = item_n >= F  # one item per row tile: it gathers its rows itself
+        rows_args = (st.stage, st.words, st.pair_w)
+        tail = (self.num_local_experts, self.world_size, self.max_tokens, self.max_tokens * K, K, x_rows.stride(0))
+        if not gather:
+            grid, kw = self._gemm_args(launch, R)
+            _gather_kernel[grid](*rows_args, plan, offs, x_rows, row_pair, row_src, row_w, self.seq[1], R, H, *tail,
+                                 BLOCK_M=kw["BLOCK_M"], BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols,
+                                 E_PAD=kw["E_PAD"], num_warps=4)
+        grid, kw = self._gemm_args(launch, R, triton.cdiv(F, item_n))
         _gate_up_kernel[grid](
-            st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R,
-            H, F, self.num_local_experts, self.world_size, self.max_tokens, self.max_tokens * K, K, x_rows.stride(0),
-            w_gu.stride(0), w_gu.stride(1), up, BLOCK_W=_P2(self.world_size), COPY_N=self.cfg.gate_up.copy_cols, **kw)
+            *rows_args, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R, H, F, item_n,
+            *tail, w_gu.stride(0), w_gu.stride(1), up, GROUP_M=launch.tiles.GROUP_M, GATHER=gather,
+            BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols, **kw)
         self._release_stage()
         self._scatter_back(act, w_down, offs, row_pair, row_src, R, None, b_trans=False)
         out, _ = self._reduce(topk, T, weights, with_values=False)

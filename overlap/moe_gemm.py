@@ -13,9 +13,9 @@ wrong products: the up half of gate_up, scattered elements of the down-projectio
 * `_gate_up_kernel` (forward GEMM1): for each row tile, wait for its rows' words (moe_comm.py send: flag
   and pair index), copy the staged token rows into x_rows [R, H], h = x @ w_gate_up[e] (gate and up columns
   through two descriptors, UP elements apart, so no box straddles them; both products in one main loop that
-  loads each x tile once: `_tile_dot_pair`), and the SwiGLU epilogue
-  act = silu(g) * u. Writes h [R, 2F] and act [R, F] (what the backward needs) and each row's pair index,
-  source rank and routing weight.
+  loads each x tile once: `_tile_dot_pair`), and the SwiGLU epilogue act = silu(g) * u. Writes h [R, 2F] and
+  act [R, F] (what the backward needs) and each row's pair index, source rank and routing weight. With items
+  that split the columns (ITEM_N < F), `_gather_kernel` does the waits, records and copies in a launch before.
 * `_down_grad_kernel` (backward of GEMM2 + SwiGLU): the same waits over the token gradients g that the
   sources sent, copied into g_rows [R, H]; d_act = w * (g @ w_down[e]^T), dh = SwiGLU backward (h from the
   forward); grad_w of each row = sum_f (g @ w_down[e]^T)[f] * act[f] (= <g, y>, the routing weight's
@@ -41,14 +41,19 @@ from .tiles import b_desc3, desc3, proxy_fence, split_cols, tile_position
 
 
 @triton.jit
-def _row_tile(tile, starts, counts, item_ends, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
-    """Expert, its first row and row count, and this item's rows r [BLOCK_M] with their mask."""
+def _item_tile(item, starts, counts, item_ends, col_items, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+               E_PAD: tl.constexpr):
+    """Work item -> (expert, first row, rows r [BLOCK_M], their mask, column item, row tile). Items are numbered
+    expert by expert (_expert_table with tiles_n = col_items), col_items per row tile, in bands of GROUP_M
+    row tiles (tiles.tile_position); row tiles are numbered expert by expert too."""
     idx = tl.arange(0, E_PAD)
-    e = tl.sum((item_ends <= tile).to(tl.int32), 0)
+    e = tl.sum((item_ends <= item).to(tl.int32), 0)
     start, rows = _pick(starts, idx, e), _pick(counts, idx, e)
-    pid_m = tile - (_pick(item_ends, idx, e) - tl.cdiv(rows, BLOCK_M))
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    first = _pick(item_ends, idx, e) - tiles_m * col_items  # the expert's first item
+    pid_m, pid_c = tile_position(item - first, tiles_m, col_items, GROUP_M)
     r = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    return e, start + pid_m * BLOCK_M, r, r < start + rows
+    return e, start + pid_m * BLOCK_M, r, r < start + rows, pid_c, first // col_items + pid_m
 
 
 @triton.jit
@@ -63,6 +68,19 @@ def _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W: t
     word = wait_words(words_ptr, at, ok, tl.full((), seq, tl.int64) << 32)
     pair = tl.where(ok, word % (1 << 32), 0)
     return pair, src, src.to(tl.int64) * M + pair // K_TOP, at
+
+
+@triton.jit
+def _gather_tile(stage_ptr, words_ptr, pair_w_ptr, plan_ptr, x_rows_ptr, row_pair_ptr, row_src_ptr, row_w_ptr, e, r,
+                 ok, seq, H, W, M, S, K_TOP, stride_xm, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                 COPY_N: tl.constexpr):
+    """Rows r of expert e: wait for them, record each row's pair index, source rank and routing weight, copy the
+    staged token rows into x_rows."""
+    pair, src, staged, at = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
+    tl.store(row_pair_ptr + r, pair.to(tl.int32), mask=ok)
+    tl.store(row_src_ptr + r, src, mask=ok)
+    tl.store(row_w_ptr + r, tl.load(pair_w_ptr + at, mask=ok, other=0.0), mask=ok)
+    _copy_rows(stage_ptr, staged, x_rows_ptr, r, ok, H, stride_xm, BLOCK_M, COPY_N)
 
 
 @triton.jit
@@ -121,26 +139,40 @@ def _store_cols(ptr, r, ok, stride, c0, n, limit, vals, BLOCK_N: tl.constexpr):
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
+def _gather_kernel(stage_ptr, words_ptr, pair_w_ptr, plan_ptr, offs_ptr, x_rows_ptr, row_pair_ptr, row_src_ptr,
+                   row_w_ptr, seq, R, H, E_L, W, M, S, K_TOP, stride_xm, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                   COPY_N: tl.constexpr, E_PAD: tl.constexpr):
+    """`_gather_tile` for every row tile, ahead of a `_gate_up_kernel` whose items split the columns (GATHER off)."""
+    starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
+    for item in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
+        e, _, r, ok, _, _ = _item_tile(item, starts, counts, item_ends, 1, BLOCK_M, 1, E_PAD)
+        _gather_tile(stage_ptr, words_ptr, pair_w_ptr, plan_ptr, x_rows_ptr, row_pair_ptr, row_src_ptr, row_w_ptr, e,
+                     r, ok, seq, H, W, M, S, K_TOP, stride_xm, BLOCK_M, BLOCK_W, COPY_N)
+
+
+@tilecomm.jit(do_not_specialize=["seq"])
 def _gate_up_kernel(stage_ptr, words_ptr, pair_w_ptr, w_ptr, plan_ptr, offs_ptr, h_ptr, act_ptr, x_rows_ptr,
-                    row_pair_ptr, row_src_ptr, row_w_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_xm, stride_we,
-                    stride_wk, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_W: tl.constexpr, COPY_N: tl.constexpr, E_PAD: tl.constexpr, ACC: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """w [E_l, H, *]: gate columns from 0, up columns from UP (elements; 16-byte aligned), F of each."""
+                    row_pair_ptr, row_src_ptr, row_w_ptr, seq, R, H, F, ITEM_N, E_L, W, M, S, K_TOP, stride_xm,
+                    stride_we, stride_wk, UP, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, GATHER: tl.constexpr, BLOCK_W: tl.constexpr, COPY_N: tl.constexpr,
+                    E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """w [E_l, H, *]: gate columns from 0, up columns from UP (elements; 16-byte aligned), F of each. Items: (row
+    tile, ITEM_N of the F columns). GATHER: each item gathers its row tile first (one item per row tile: ITEM_N
+    >= F); else `_gather_kernel` ran before and the items only compute (wide layers: the programs running
+    at one time share an expert's weight columns in L2 instead of each streaming all of them)."""
     dtype = h_ptr.dtype.element_ty
     rows = tl.maximum(R, 1)
     x_desc = desc3(x_rows_ptr, 1, rows, H, tl.cast(rows, tl.int64) * stride_xm, stride_xm, BLOCK_M, BLOCK_K)
     gate_desc = desc3(w_ptr, E_L, H, F, stride_we, stride_wk, BLOCK_K, BLOCK_N)
     up_desc = desc3(w_ptr + UP, E_L, H, F, stride_we, stride_wk, BLOCK_K, BLOCK_N)
-    starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
-    for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
-        e, off_m, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
-        pair, src, staged, at = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
-        tl.store(row_pair_ptr + r, pair.to(tl.int32), mask=ok)
-        tl.store(row_src_ptr + r, src, mask=ok)
-        tl.store(row_w_ptr + r, tl.load(pair_w_ptr + at, mask=ok, other=0.0), mask=ok)
-        _copy_rows(stage_ptr, staged, x_rows_ptr, r, ok, H, stride_xm, BLOCK_M, COPY_N)
-        for n in range(0, F, BLOCK_N):
+    col_items = tl.cdiv(F, ITEM_N)
+    starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, col_items, BLOCK_M, E_PAD)
+    for item in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
+        e, off_m, r, ok, pid_c, _ = _item_tile(item, starts, counts, item_ends, col_items, BLOCK_M, GROUP_M, E_PAD)
+        if GATHER:
+            _gather_tile(stage_ptr, words_ptr, pair_w_ptr, plan_ptr, x_rows_ptr, row_pair_ptr, row_src_ptr,
+                         row_w_ptr, e, r, ok, seq, H, W, M, S, K_TOP, stride_xm, BLOCK_M, BLOCK_W, COPY_N)
+        for n in range(pid_c * ITEM_N, tl.minimum(F, pid_c * ITEM_N + ITEM_N), BLOCK_N):
             acc_g, acc_u = _tile_dot_pair(x_desc, off_m, gate_desc, up_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K,
                                           PRECISION, ACC)
             g = acc_g.to(dtype)  # h is rounded as the unfused grouped GEMM rounds it; SwiGLU reads it so
@@ -184,7 +216,7 @@ def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr
     w_desc = desc3(w_ptr, E_L, F, H, stride_we, stride_wf, BLOCK_N, BLOCK_K)  # w_down [E_l, F, H], read transposed
     starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
     for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
-        e, off_m, r, ok = _row_tile(tile, starts, counts, item_ends, BLOCK_M, E_PAD)
+        e, off_m, r, ok, _, _ = _item_tile(tile, starts, counts, item_ends, 1, BLOCK_M, 1, E_PAD)
         _, _, staged, _ = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
         wt = tl.load(row_w_ptr + r, mask=ok, other=0.0).to(ACC)
         _copy_rows(stage_ptr, staged, g_rows_ptr, r, ok, H, stride_gm, BLOCK_M, COPY_N)
@@ -206,7 +238,7 @@ def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr,
                     ACC: tl.constexpr, PRECISION: tl.constexpr):
     """a [R, KA] expert-major, w [E_l, KA, N] (B_TRANS: [E_l, N, KA]); rows go to back[pair] on their source.
 
-    Items are (row tile, ITEM_N columns) of one expert, GROUP_M row tiles per band (tiles.tile_position), so the
+    Items are (row tile, ITEM_N columns) of one expert, GROUP_M row tiles per band (`_item_tile`), so the
     programs running at one time share an expert's weight columns in L2: with wide N (7168) and few rows per
     expert, items that own whole row tiles read each expert's weights once per row tile from memory. The item
     that finishes a row tile's last columns (done_ptr: a counter per row tile, reset by that item) releases its
@@ -216,22 +248,15 @@ def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr,
     w_desc = b_desc3(w_ptr, E_L, KA, N, stride_we, stride_w, BLOCK_K, BLOCK_N, B_TRANS)
     col_items = tl.cdiv(N, ITEM_N)
     starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, col_items, BLOCK_M, E_PAD)
-    idx = tl.arange(0, E_PAD)
     wait_all(consumed_ptr, seq - 1, W)  # every source has reduced my previous call's rows
     for item in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
-        e = tl.sum((item_ends <= item).to(tl.int32), 0)
-        start, rows = _pick(starts, idx, e), _pick(counts, idx, e)
-        tiles_m = tl.cdiv(rows, BLOCK_M)
-        first = _pick(item_ends, idx, e) - tiles_m * col_items  # the expert's first item
-        pid_m, pid_c = tile_position(item - first, tiles_m, col_items, GROUP_M)
-        row_tile = first // col_items + pid_m  # row tiles are numbered expert by expert too
-        r = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ok = r < start + rows
+        e, off_m, r, ok, pid_c, row_tile = _item_tile(item, starts, counts, item_ends, col_items, BLOCK_M, GROUP_M,
+                                                      E_PAD)
         pair = tl.load(row_pair_ptr + r, mask=ok, other=0).to(tl.int64)
         src = tl.load(row_src_ptr + r, mask=ok, other=0)
         dst = peer_offset(back_ptr, src, ALIGN) + pair * N  # element offsets of the rows on their sources
         for n in range(pid_c * ITEM_N, tl.minimum(N, pid_c * ITEM_N + ITEM_N), BLOCK_N):
-            acc = _tile_dot(a_desc, start + pid_m * BLOCK_M, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
+            acc = _tile_dot(a_desc, off_m, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
                             PRECISION, ACC)
             y = acc.to(dtype)  # rounded as the unfused grouped GEMM's output
             cols = n + tl.arange(0, BLOCK_N)

@@ -105,13 +105,16 @@ def profile_path(name, kind, layer, x, grad_out, steps, iters, reference=None):
 
 _DEFAULT = FusedMoEConfig()
 _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
-VARIANTS = {  # the default, then one change each (each compiles without spills for sm_90: tests/gpu_compile.py)
+_SCATTER_SPLIT = FusedGemm(_G(128, 256, 8, 3), item_cols=256)
+_GATE_UP_SPLIT = FusedGemm(_G(64, 128, 8, 4), copy_cols=128, item_cols=128)
+VARIANTS = {  # the default, then changes to try (each compiles without spills for sm_90: tests/gpu_compile.py)
     "default": _DEFAULT,
-    "scatter items of 256 cols": replace(_DEFAULT, scatter=FusedGemm(_G(128, 256, 8, 3), item_cols=256)),
-    "scatter 128 cols 128x128": replace(_DEFAULT, scatter=FusedGemm(_G(128, 128, 8, 4), item_cols=128)),
-    "gate_up 128x128 w8 copy64": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3))),
+    "scatter items of 256 cols": replace(_DEFAULT, scatter=_SCATTER_SPLIT),
+    "gate_up items of 128 cols": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT),
+    "both split": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT, scatter=_SCATTER_SPLIT),
+    "both split, gate_up 128 rows": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3), item_cols=128),
+                                            scatter=_SCATTER_SPLIT),
 }
-
 def run_preset(name, p, args, report):
     dev = tilecomm.current().device
     c = MoEConfig(hidden=p["hidden"], ffn_hidden=p["ffn"], num_experts=p["experts"], topk=p["topk"],

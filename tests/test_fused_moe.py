@@ -53,17 +53,22 @@ def _run(op, leaves, idx, grad_out, comm):
 
 
 def _split_columns_config() -> FusedMoEConfig:
-    """The device's config with scatter items of 16 columns (two per row tile at H = 32) in bands of 2 row tiles."""
+    """The device's config with items that split a row tile's columns, in bands of 2 row tiles: scatter 16 of
+    H = 32 columns an item, gate_up 8 of F = 16 (its rows gathered by a launch of their own)."""
     cfg = FusedMoEConfig.for_device(tilecomm.current().device, H, torch.float64)
-    tiles = cfg.scatter.tiles
-    return FusedMoEConfig(cfg.gate_up, cfg.down_grad, FusedGemm(GemmConfig(tiles.BLOCK_M, 16, tiles.BLOCK_K, 2,
-                          tiles.num_warps, tiles.num_stages, 1, False), item_cols=16), cfg.block_h, cfg.wgrad)
+
+    def split(launch: FusedGemm, cols: int) -> FusedGemm:
+        t = launch.tiles
+        return FusedGemm(GemmConfig(t.BLOCK_M, cols, t.BLOCK_K, 2, t.num_warps, t.num_stages, 1, False),
+                         launch.programs_per_sm, launch.copy_cols, item_cols=cols)
+
+    return FusedMoEConfig(split(cfg.gate_up, 8), cfg.down_grad, split(cfg.scatter, 16), cfg.block_h, cfg.wgrad)
 
 
 def functional_body(cases):
     """fused_moe against fused_moe_reference over a tilecomm Dispatcher, case by case; the fused workspace
-    runs each case twice (its channels' second call); the first case also with scatter items that split a
-    row tile's columns (the item finishing a row tile sets its flags)."""
+    runs each case twice (its channels' second call); the first case also with gate_up and scatter items that
+    split a row tile's columns (the item finishing a row tile sets its flags)."""
     rank, world = tilecomm.rank(), tilecomm.world_size()
     for i, case in enumerate(cases):
         E, K = case[0], case[1]
