@@ -45,11 +45,12 @@ def gpu_compile_cases() -> list:
                                      "x_rows_ptr": _BF16, **rows},
                 dict(_GEMM, **_GATE_UP, GROUP_M=8, GATHER=gather_here, BLOCK_W=8, COPY_N=128))
           for gather_here in (True, False)),
-        _case(mg._gather_kernel, {**gather, "pair_w_ptr": _F32, "x_rows_ptr": _BF16, **rows},
-              dict(BLOCK_M=64, BLOCK_W=8, COPY_N=128, E_PAD=64)),
-        _case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16,
-                                     "g_rows_ptr": _BF16, "act_w_ptr": _BF16, "row_gw_ptr": _F32},
-              dict(_GEMM, **_DOWN_GRAD, BLOCK_W=8, COPY_N=64)),
+        *(_case(mg._gather_kernel, {**gather, "pair_w_ptr": _F32, "x_rows_ptr": _BF16, **rows},
+                dict(BLOCK_M=64, BLOCK_W=8, COPY_N=128, E_PAD=64, RECORD=record)) for record in (True, False)),
+        *(_case(mg._down_grad_kernel, {**gather, "row_w_ptr": _F32, "h_ptr": _BF16, "dh_ptr": _BF16,
+                                       "g_rows_ptr": _BF16, "act_w_ptr": _BF16, "row_gw_ptr": _F32},
+                dict(_GEMM, **_DOWN_GRAD, GROUP_M=8, GATHER=gather_here, BLOCK_W=8, COPY_N=64))
+          for gather_here in (True, False)),
         _case(mg._scatter_kernel, {"a_ptr": _BF16, "w_ptr": _BF16, "offs_ptr": _P32, "row_pair_ptr": _P32,
                                    "row_src_ptr": _P32, "vals_ptr": _F32, "back_ptr": _BF16,
                                    "back_w_ptr": _F32, "flags_ptr": _P64, "consumed_ptr": _P64, "done_ptr": _P32},

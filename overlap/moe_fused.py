@@ -66,15 +66,15 @@ class FusedGemm:
     per step, warps, pipeline stages; GROUP_M: row tiles per band when items split the columns; EPILOGUE_SPLIT and
     WARP_SPECIALIZE are not used) and persistent programs per SM (2: one program's row gathers, pipeline fills
     and epilogue run beside another's main loop; only where two fit in an SM's registers and shared memory,
-    else the second half of the grid waits). item_cols > 0 (gate_up, scatter) splits a row tile's output
-    columns over items, so that the programs running at one time share an expert's weight columns in L2
-    (wide layers: whole-row items each stream all of their expert's weights); gate_up then gathers the rows
-    in a launch of its own first (`_gather_kernel`)."""
+    else the second half of the grid waits). item_cols > 0 splits a row tile's output columns over items, so
+    that the programs running at one time share an expert's weight columns in L2 (wide layers: whole-row
+    items each stream all of their expert's weights); gate_up and down_grad then gather the rows in a launch
+    of their own first (`_gather_kernel`)."""
 
     tiles: GemmConfig
     programs_per_sm: int = 1
     copy_cols: int = 64  # gate_up / down_grad: columns per step of the row copy into x_rows / g_rows
-    item_cols: int = 0  # gate_up, scatter: output columns per work item (a multiple of BLOCK_N); 0: all of a row tile's
+    item_cols: int = 0  # output columns per work item (a multiple of BLOCK_N); 0: all of a row tile's
 
     def __post_init__(self):
         if self.item_cols < 0 or self.item_cols % self.tiles.BLOCK_N:
@@ -288,6 +288,22 @@ class FusedMoEWorkspace:
             BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
             ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=g.num_warps, num_stages=g.num_stages)
 
+    def _shape_args(self) -> tuple:
+        """(E_l, W, M, S, K): the fused GEMMs' shape arguments after their column counts."""
+        return self.num_local_experts, self.world_size, self.max_tokens, self.max_tokens * self.topk, self.topk
+
+    def _gather(self, launch: FusedGemm, R: int, plan, offs, rows_buf, records: Optional[tuple]) -> None:
+        """`_gather_kernel` ahead of a fused GEMM whose items split the columns: the arrived rows of this call's
+        staging channel copied into rows_buf; records (row_pair, row_src, row_w): also each row's pair index,
+        source rank and routing weight (the forward)."""
+        st, f32 = self.state, torch.float32
+        row_pair, row_src, row_w = records or (self._ptr(None, torch.int32),) * 2 + (self._ptr(None, f32),)
+        grid, kw = self._gemm_args(launch, R)
+        _gather_kernel[grid](st.stage, st.words, st.pair_w, plan, offs, rows_buf, row_pair, row_src, row_w,
+                             self.seq[1], R, self.hidden, *self._shape_args(), rows_buf.stride(0),
+                             BLOCK_M=kw["BLOCK_M"], BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols,
+                             E_PAD=kw["E_PAD"], RECORD=records is not None, num_warps=4)
+
     @staticmethod
     def _item_cols(launch: FusedGemm, N: int) -> int:
         """Output columns per work item of a GEMM with N of them (launch.item_cols; 0: all, rounded up to BLOCK_N)."""
@@ -346,18 +362,13 @@ class FusedMoEWorkspace:
         launch = self.cfg.gate_up
         item_n = self._item_cols(launch, F)
         gather = item_n >= F  # one item per row tile: it gathers its rows itself
-        rows_args = (st.stage, st.words, st.pair_w)
-        tail = (self.num_local_experts, self.world_size, self.max_tokens, self.max_tokens * K, K, x_rows.stride(0))
         if not gather:
-            grid, kw = self._gemm_args(launch, R)
-            _gather_kernel[grid](*rows_args, plan, offs, x_rows, row_pair, row_src, row_w, self.seq[1], R, H, *tail,
-                                 BLOCK_M=kw["BLOCK_M"], BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols,
-                                 E_PAD=kw["E_PAD"], num_warps=4)
+            self._gather(launch, R, plan, offs, x_rows, (row_pair, row_src, row_w))
         grid, kw = self._gemm_args(launch, R, triton.cdiv(F, item_n))
         _gate_up_kernel[grid](
-            *rows_args, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R, H, F, item_n,
-            *tail, w_gu.stride(0), w_gu.stride(1), up, GROUP_M=launch.tiles.GROUP_M, GATHER=gather,
-            BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols, **kw)
+            st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R,
+            H, F, item_n, *self._shape_args(), x_rows.stride(0), w_gu.stride(0), w_gu.stride(1), up,
+            GROUP_M=launch.tiles.GROUP_M, GATHER=gather, BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols, **kw)
         self._release_stage()
         self._scatter_back(act, w_down, offs, row_pair, row_src, R, None, b_trans=False)
         out, _ = self._reduce(topk, T, weights, with_values=False)
@@ -380,14 +391,20 @@ class FusedMoEWorkspace:
         dh = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
         g_rows = self._rows_buffer(rows, H)
         act_w = torch.empty((rows, F), dtype=self.dtype, device=dev)
-        row_gw = torch.empty(rows, dtype=torch.float32, device=dev)
         w_dn, _ = tma_operand(w_down)
-        grid, kw = self._gemm_args(self.cfg.down_grad, R)
+        launch = self.cfg.down_grad
+        item_n = self._item_cols(launch, F)
+        parts = triton.cdiv(F, item_n)  # each row's <g, y> in parts, summed below (fp64 data: in fp64)
+        if parts > 1:
+            self._gather(launch, R, s.plan, s.offs, g_rows, None)
+        gw_parts = torch.empty((parts, rows), dtype=torch.promote_types(self.dtype, torch.float32), device=dev)
+        grid, kw = self._gemm_args(launch, R, parts)
         _down_grad_kernel[grid](
             st.stage, st.words, w_dn, s.plan, s.offs, self._ptr(s.row_w, torch.float32), self._ptr(s.h, self.dtype),
-            dh, g_rows, act_w, row_gw, self.seq[1], R, H, F, self.num_local_experts, self.world_size, self.max_tokens,
-            self.max_tokens * self.topk, self.topk, g_rows.stride(0), w_dn.stride(0), w_dn.stride(1),
-            BLOCK_W=_P2(self.world_size), COPY_N=self.cfg.down_grad.copy_cols, **kw)
+            dh, g_rows, act_w, gw_parts, self.seq[1], R, H, F, item_n, *self._shape_args(), g_rows.stride(0),
+            w_dn.stride(0), w_dn.stride(1), rows, GROUP_M=launch.tiles.GROUP_M, GATHER=parts == 1,
+            BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols, **kw)
+        row_gw = (gw_parts[0] if parts == 1 else gw_parts.sum(0)).float()
         self._release_stage()
         E_L = self.num_local_experts
         grad_w_down = self._wgrad(act_w[:R], g_rows[:R], s.offs) if need_down else None  # (w act)^T @ g

@@ -141,13 +141,18 @@ def _store_cols(ptr, r, ok, stride, c0, n, limit, vals, BLOCK_N: tl.constexpr):
 @tilecomm.jit(do_not_specialize=["seq"])
 def _gather_kernel(stage_ptr, words_ptr, pair_w_ptr, plan_ptr, offs_ptr, x_rows_ptr, row_pair_ptr, row_src_ptr,
                    row_w_ptr, seq, R, H, E_L, W, M, S, K_TOP, stride_xm, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
-                   COPY_N: tl.constexpr, E_PAD: tl.constexpr):
-    """`_gather_tile` for every row tile, ahead of a `_gate_up_kernel` whose items split the columns (GATHER off)."""
+                   COPY_N: tl.constexpr, E_PAD: tl.constexpr, RECORD: tl.constexpr):
+    """For every row tile, ahead of a `_gate_up_kernel` (RECORD: `_gather_tile`) or `_down_grad_kernel` (the
+    arrived rows copied, nothing recorded) whose items split the columns (their GATHER off)."""
     starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
     for item in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
         e, _, r, ok, _, _ = _item_tile(item, starts, counts, item_ends, 1, BLOCK_M, 1, E_PAD)
-        _gather_tile(stage_ptr, words_ptr, pair_w_ptr, plan_ptr, x_rows_ptr, row_pair_ptr, row_src_ptr, row_w_ptr, e,
-                     r, ok, seq, H, W, M, S, K_TOP, stride_xm, BLOCK_M, BLOCK_W, COPY_N)
+        if RECORD:
+            _gather_tile(stage_ptr, words_ptr, pair_w_ptr, plan_ptr, x_rows_ptr, row_pair_ptr, row_src_ptr, row_w_ptr,
+                         e, r, ok, seq, H, W, M, S, K_TOP, stride_xm, BLOCK_M, BLOCK_W, COPY_N)
+        else:
+            _, _, staged, _ = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
+            _copy_rows(stage_ptr, staged, x_rows_ptr, r, ok, H, stride_xm, BLOCK_M, COPY_N)
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
@@ -208,26 +213,31 @@ def _swiglu_backward(acc, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n, BLOCK_N: tl
 
 @tilecomm.jit(do_not_specialize=["seq"])
 def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr, h_ptr, dh_ptr, g_rows_ptr,
-                      act_w_ptr, row_gw_ptr, seq, R, H, F, E_L, W, M, S, K_TOP, stride_gm, stride_we, stride_wf,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                      COPY_N: tl.constexpr, E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+                      act_w_ptr, row_gw_ptr, seq, R, H, F, ITEM_N, E_L, W, M, S, K_TOP, stride_gm, stride_we,
+                      stride_wf, stride_gw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, GATHER: tl.constexpr, BLOCK_W: tl.constexpr, COPY_N: tl.constexpr,
+                      E_PAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """Items (row tile, ITEM_N of the F columns), as `_gate_up_kernel`'s (GATHER: the item gathers its rows; else
+    `_gather_kernel` ran before). row_gw [F / ITEM_N, stride_gw]: each item's part of its rows' sums."""
     rows = tl.maximum(R, 1)
     g_desc = desc3(g_rows_ptr, 1, rows, H, tl.cast(rows, tl.int64) * stride_gm, stride_gm, BLOCK_M, BLOCK_K)
     w_desc = desc3(w_ptr, E_L, F, H, stride_we, stride_wf, BLOCK_N, BLOCK_K)  # w_down [E_l, F, H], read transposed
-    starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, 1, BLOCK_M, E_PAD)
-    for tile in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
-        e, off_m, r, ok, _, _ = _item_tile(tile, starts, counts, item_ends, 1, BLOCK_M, 1, E_PAD)
-        _, _, staged, _ = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
+    col_items = tl.cdiv(F, ITEM_N)
+    starts, counts, item_ends = _expert_table(offs_ptr, R, E_L, col_items, BLOCK_M, E_PAD)
+    for item in range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0)):
+        e, off_m, r, ok, pid_c, _ = _item_tile(item, starts, counts, item_ends, col_items, BLOCK_M, GROUP_M, E_PAD)
+        if GATHER:
+            _, _, staged, _ = _arrived_rows(words_ptr, plan_ptr, e, r, ok, seq, W, M, S, K_TOP, BLOCK_W)
+            _copy_rows(stage_ptr, staged, g_rows_ptr, r, ok, H, stride_gm, BLOCK_M, COPY_N)
         wt = tl.load(row_w_ptr + r, mask=ok, other=0.0).to(ACC)
-        _copy_rows(stage_ptr, staged, g_rows_ptr, r, ok, H, stride_gm, BLOCK_M, COPY_N)
         gw = tl.zeros((BLOCK_M,), ACC)
-        for n in range(0, F, BLOCK_N):
+        for n in range(pid_c * ITEM_N, tl.minimum(F, pid_c * ITEM_N + ITEM_N), BLOCK_N):
             acc = _tile_dot(g_desc, off_m, w_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION, ACC)
             # the epilogue in two column halves (registers: h's gate and up columns are loaded for it)
             acc0, acc1 = split_cols(acc, BLOCK_M, BLOCK_N)
             gw += _swiglu_backward(acc0, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n, BLOCK_N // 2, ACC)
             gw += _swiglu_backward(acc1, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n + BLOCK_N // 2, BLOCK_N // 2, ACC)
-        tl.store(row_gw_ptr + r, gw.to(row_gw_ptr.dtype.element_ty), mask=ok)
+        tl.store(row_gw_ptr + pid_c.to(tl.int64) * stride_gw + r, gw.to(row_gw_ptr.dtype.element_ty), mask=ok)
 
 
 @tilecomm.jit(do_not_specialize=["seq"])

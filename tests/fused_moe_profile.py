@@ -107,14 +107,17 @@ _DEFAULT = FusedMoEConfig()
 _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
 _SCATTER_SPLIT = FusedGemm(_G(128, 256, 8, 3), item_cols=256)
 _GATE_UP_SPLIT = FusedGemm(_G(64, 128, 8, 4), copy_cols=128, item_cols=128)
+_DOWN_GRAD_SPLIT = FusedGemm(_G(64, 128, 4, 3), 2, item_cols=128)
 VARIANTS = {  # the default, then changes to try (each compiles without spills for sm_90: tests/gpu_compile.py)
     "default": _DEFAULT,
     "scatter items of 256 cols": replace(_DEFAULT, scatter=_SCATTER_SPLIT),
     "gate_up items of 128 cols": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT),
-    "both split": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT, scatter=_SCATTER_SPLIT),
-    "both split, gate_up 128 rows": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3), item_cols=128),
-                                            scatter=_SCATTER_SPLIT),
+    "all three split": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT, down_grad=_DOWN_GRAD_SPLIT, scatter=_SCATTER_SPLIT),
+    "all split, 128-row gate_up": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3), item_cols=128),
+                                          down_grad=_DOWN_GRAD_SPLIT, scatter=_SCATTER_SPLIT),
 }
+
+
 def run_preset(name, p, args, report):
     dev = tilecomm.current().device
     c = MoEConfig(hidden=p["hidden"], ffn_hidden=p["ffn"], num_experts=p["experts"], topk=p["topk"],

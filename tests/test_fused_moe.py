@@ -54,7 +54,7 @@ def _run(op, leaves, idx, grad_out, comm):
 
 def _split_columns_config() -> FusedMoEConfig:
     """The device's config with items that split a row tile's columns, in bands of 2 row tiles: scatter 16 of
-    H = 32 columns an item, gate_up 8 of F = 16 (its rows gathered by a launch of their own)."""
+    H = 32 columns an item, gate_up and down_grad 8 of F = 16 (their rows gathered by a launch of their own)."""
     cfg = FusedMoEConfig.for_device(tilecomm.current().device, H, torch.float64)
 
     def split(launch: FusedGemm, cols: int) -> FusedGemm:
@@ -62,13 +62,14 @@ def _split_columns_config() -> FusedMoEConfig:
         return FusedGemm(GemmConfig(t.BLOCK_M, cols, t.BLOCK_K, 2, t.num_warps, t.num_stages, 1, False),
                          launch.programs_per_sm, launch.copy_cols, item_cols=cols)
 
-    return FusedMoEConfig(split(cfg.gate_up, 8), cfg.down_grad, split(cfg.scatter, 16), cfg.block_h, cfg.wgrad)
+    return FusedMoEConfig(split(cfg.gate_up, 8), split(cfg.down_grad, 8), split(cfg.scatter, 16), cfg.block_h,
+                          cfg.wgrad)
 
 
 def functional_body(cases):
     """fused_moe against fused_moe_reference over a tilecomm Dispatcher, case by case; the fused workspace
-    runs each case twice (its channels' second call); the first case also with gate_up and scatter items that
-    split a row tile's columns (the item finishing a row tile sets its flags)."""
+    runs each case twice (its channels' second call); the first case also with items of the three fused GEMMs
+    that split a row tile's columns (the item finishing a row tile sets its flags)."""
     rank, world = tilecomm.rank(), tilecomm.world_size()
     for i, case in enumerate(cases):
         E, K = case[0], case[1]
