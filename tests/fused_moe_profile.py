@@ -108,7 +108,7 @@ _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False
 _SCATTER_SPLIT = FusedGemm(_G(128, 256, 8, 3), item_cols=256)
 _GATE_UP_SPLIT = FusedGemm(_G(64, 128, 8, 4), copy_cols=128, item_cols=128)
 _DOWN_GRAD_SPLIT = FusedGemm(_G(64, 128, 4, 3), 2, item_cols=128)
-VARIANTS = {  # the default, then changes to try (each compiles without spills for sm_90: tests/gpu_compile.py)
+VARIANTS = {  # the default, then changes to try (their kernels build for sm_90 in tests/gpu_compile.py)
     "default": _DEFAULT,
     "scatter items of 256 cols": replace(_DEFAULT, scatter=_SCATTER_SPLIT),
     "gate_up items of 128 cols": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT),
