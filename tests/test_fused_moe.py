@@ -149,3 +149,11 @@ def test_fused_moe_layer_matches_tilecomm_layer(ranks, world, experts, topk):
 
 def test_fused_moe_bad_inputs(ranks):
     ranks(2).run(bad_inputs_body)
+
+
+def test_fused_gemm_item_cols_checked():
+    tiles = GemmConfig(64, 128, 64, 8, 4, 3, 1, False)
+    for bad in (-128, 100):
+        with pytest.raises(ValueError, match="item_cols"):
+            FusedGemm(tiles, item_cols=bad)
+    assert FusedGemm(tiles, item_cols=256).item_cols == 256
