@@ -59,18 +59,20 @@ if has tests; then
   done
 fi
 
-if has bench && [ "$NGPU" -ge 2 ]; then
-  for op in all_to_all all_gather reduce_scatter dispatch ag_gemm gemm_rs; do
-    for sym in "" "--symmetric"; do
-      case "$op" in all_to_all|all_gather|reduce_scatter) ;; *) [ -n "$sym" ] && continue;; esac
-      timeout 600 torchrun --standalone --nproc-per-node "$NGPU" -m tilecomm.bench $op $sym \
-        --json "$OUT/bench_${op}${sym:+_sym}.json" 2>&1 | tail -6
-    done
+if has bench && [ "$NGPU" -ge 2 ]; then  # BENCH_RUNS: ";"-separated "op flags" (default: every op of the issue)
+  IFS=';' read -ra runs <<< "${BENCH_RUNS:-all_to_all;all_to_all --symmetric;all_to_all --uneven;all_to_all --uneven --symmetric;\
+dispatch;dispatch --mode low_latency;ag_gemm;gemm_rs;all_gather;all_gather --symmetric;reduce_scatter;reduce_scatter --symmetric}"
+  for run in "${runs[@]}"; do
+    name=$(echo "$run" | sed 's/ --/_/g; s/ /_/g')
+    echo "== bench $run on $NGPU GPUs"
+    timeout "${BENCH_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" -m tilecomm.bench $run \
+      --json "$OUT/bench_$name.json" > "$OUT/bench_$name.log" 2>&1
+    echo "rc $?"; grep -v "named symbol not found" "$OUT/bench_$name.log" | grep -v "^W1\|Warning\|symm_mem_for_group" | tail -6
   done
 fi
 
 if has train; then
-  for d in tilecomm $([ "$NGPU" -gt 1 ] && echo nccl); do  # one GPU: both are the local path
+  for d in ${TRAIN_DISPATCHERS:-tilecomm $([ "$NGPU" -gt 1 ] && echo nccl fused)}; do  # one GPU: both are the local path
     echo "== pretrain_moe --preset h200x4 --dispatcher $d on $NGPU GPU(s), $TRAIN_STEPS steps"
     timeout "${TRAIN_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$NGPU" examples/pretrain_moe.py \
       --preset h200x4 --dispatcher $d --steps "$TRAIN_STEPS" --out "/tmp/run_$d" > "$OUT/train_$d.log" 2>&1
@@ -78,3 +80,6 @@ if has train; then
     cp "/tmp/run_$d/log.jsonl" "$OUT/train_$d.jsonl" 2>/dev/null && tail -2 "$OUT/train_$d.jsonl"
   done
 fi
+
+# everything under $OUT in one archive (the device tool brings back a handful of files per call)
+tar czf /tmp/tilecomm_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/tilecomm_out.tgz "$OUT/all.tgz"

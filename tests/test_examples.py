@@ -25,13 +25,17 @@ def test_custom_overlap_kernel_example(world):
 
 
 @pytest.mark.parametrize("op,size", [("all_to_all", ["--rows", "16,8", "--hidden", "32"]),
+                                     ("all_to_all", ["--rows", "24", "--hidden", "16", "--uneven", "--symmetric",
+                                                     "--world-size", "3"]),
                                      ("all_gather", ["--shape", "16x32"]), ("reduce_scatter", ["--shape", "16x32"]),
                                      ("dispatch", ["--tokens", "16", "--hidden", "32", "--experts", "8", "--topk", "2"]),
+                                     ("dispatch", ["--mode", "low_latency", "--tokens", "8", "--hidden", "32",
+                                                   "--experts", "6", "--topk", "2", "--world-size", "3"]),
                                      ("ag_gemm", ["--shapes", "16x16x16"]), ("gemm_rs", ["--shapes", "16x16x16"])])
 def test_bench_cli_on_cpu_ranks(tmp_path, op, size):
     out = tmp_path / "rows.json"
-    _run(["-m", "tilecomm.bench", op, "--backend", "cpu", "--world-size", "2", "--dtype", "float32", *size,
-          "--json", str(out)])
+    world = [] if "--world-size" in size else ["--world-size", "2"]
+    _run(["-m", "tilecomm.bench", op, "--backend", "cpu", *world, "--dtype", "float32", *size, "--json", str(out)])
     rows = json.loads(out.read_text())
     assert rows and all(r["op"] == op and r["tilecomm_us"] > 0 and r["baseline_us"] > 0 for r in rows)
 

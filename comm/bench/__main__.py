@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks to spawn when not under torchrun (default: the GPU count; 2 on cpu)")
     p.add_argument("--rows", help="all_to_all: comma list of rows per rank (default 4096,128; cpu 64)")
     p.add_argument("--hidden", type=int, help="all_to_all, dispatch: elements per row (default 7168; cpu 128)")
-    p.add_argument("--tokens", type=int, help="dispatch: tokens per rank (default 4096; cpu 64)")
+    p.add_argument("--tokens", type=int, help="dispatch: tokens per rank (default 4096, low_latency 128; cpu 64, 16)")
+    p.add_argument("--mode", choices=("normal", "low_latency"), default="normal",
+                   help="dispatch: the tilecomm Dispatcher's mode (the nccl baseline is always mode normal)")
     p.add_argument("--experts", type=int, help="dispatch: experts, split evenly over ranks (default 256; cpu 24)")
     p.add_argument("--topk", type=int, help="dispatch: distinct experts per token (default 8; cpu 4)")
     p.add_argument("--shape", help="all_gather: gathered output, reduce_scatter: input before scattering; "
@@ -46,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16 (cpu float32)")
     p.add_argument("--symmetric", action="store_true",
                    help="allocate inputs with tilecomm.empty (used in place, no staging copy)")
+    p.add_argument("--uneven", action="store_true",
+                   help="all_to_all: a different row count for every (source, destination) pair (bench/collectives.py)")
     p.add_argument("--warmup", type=int, help="untimed calls per size and library (default 5; cpu 1)")
     p.add_argument("--reps", type=int, help="timed reps, barrier before each (default 20; cpu 3)")
     p.add_argument("--iters", type=int, help="back-to-back calls timed per rep (default 10; cpu 2)")
@@ -79,7 +83,10 @@ def _config(args, backend: str, world: int, p: argparse.ArgumentParser) -> Confi
             make_case(args.op, s, args.dtype, world)
         except ValueError as err:
             p.error(str(err))
-    return Config(args.op, shapes, symmetric=args.symmetric, dtype=args.dtype, warmup=args.warmup, reps=args.reps,
+    if args.uneven and args.op != "all_to_all":
+        p.error("--uneven applies to all_to_all only")
+    return Config(args.op, shapes, symmetric=args.symmetric, uneven=args.uneven, dtype=args.dtype,
+                  warmup=args.warmup, reps=args.reps,
                   iters=args.iters, json_path=args.json_path, seed=args.seed)
 
 

@@ -12,6 +12,11 @@ Bytes per rank (what leaves the rank), elem = the dtype's size in bytes:
     all_gather      R·C·elem × (W-1)/W   (output bytes)
     reduce_scatter  R·C·elem × (W-1)/W   (input bytes)
 
+all_to_all --uneven: rank s sends n[s][d] = b + ((s + 2d) mod 3 - 1) * (b // 2) rows to rank d, b = R / W
+(so every rank sends and receives a different number of rows, some pairs half and some 1.5 times the even
+share), through output_split_sizes / input_split_sizes; bytes = the mean over ranks of the rows a rank
+sends to other ranks × C·elem.
+
 Timing: `warmup` calls, then `reps` reps; each rep starts after a barrier and times `iters`
 back-to-back calls (CUDA events on GPU, perf_counter on CPU). A rank's time is the median over
 reps of (rep time / iters); the reported time is the max of that over ranks. GB/s = bytes / time / 1e9.
@@ -62,6 +67,7 @@ class Config(RunConfig):
     op: str
     shapes: List[Tuple[int, int]]
     symmetric: bool = False
+    uneven: bool = False
 
 
 @dataclass
@@ -93,10 +99,28 @@ def make_case(op: str, shape: Tuple[int, int], dtype: str, world: int) -> Case:
     return Case(op, shape, in_shape, out_shape, dt, nbytes)
 
 
+def uneven_splits(rows: int, world: int) -> List[List[int]]:
+    """n[s][d]: rows rank s sends to rank d in an --uneven all_to_all of `rows` rows per rank (module docstring)."""
+    b = rows // world
+    return [[b + ((s + 2 * d) % 3 - 1) * (b // 2) for d in range(world)] for s in range(world)]
+
+
+def _make_uneven(case: Case, world: int, rank: int) -> Tuple[Case, dict]:
+    """The rank's Case of an uneven all_to_all (its own input/output rows) and the split-size kwargs."""
+    n = uneven_splits(case.shape[0], world)
+    send = n[rank]
+    recv = [n[s][rank] for s in range(world)]
+    cols = case.shape[1]
+    off_rank = sum(sum(n[s]) - n[s][s] for s in range(world)) / world
+    uneven = Case(case.op, case.shape, (sum(send), cols), (sum(recv), cols), case.dtype,
+                  off_rank * cols * case.dtype.itemsize)
+    return uneven, {"output_split_sizes": recv, "input_split_sizes": send}
+
+
 def heap_bytes_needed(cases: List[Case]) -> int:
     """Heap for the largest input: the staging workspace is 1/4 of the heap and must hold it
     (or, with --symmetric, the other 3/4 must), plus slack for the collectives' small tables."""
-    biggest = max(math.prod(c.in_shape) * c.dtype.itemsize for c in cases)
+    biggest = max(math.prod(c.in_shape) * c.dtype.itemsize for c in cases) * 3 // 2  # (--uneven: up to 1.5x)
     return 4 * biggest + 16 * _MIB
 
 
@@ -107,14 +131,15 @@ def _functions(op: str):
             "reduce_scatter": (tilecomm.reduce_scatter_tensor, _DIST_REDUCE_SCATTER)}[op]
 
 
-def _input(case: Case, symmetric: bool, device: torch.device) -> torch.Tensor:
-    """Random normal input (never zeros); on the symmetric heap with `symmetric` (tilecomm.empty)."""
+def _input(case: Case, symmetric: bool, device: torch.device, heap_rows: int):
+    """(input, its heap tensor or None): random normal input (never zeros); with `symmetric`, the leading rows
+    of a tilecomm.empty tensor of `heap_rows` rows (the same on every rank: uneven inputs differ in length)."""
     data = torch.randn(case.in_shape, dtype=torch.float32, device=device).to(case.dtype)
     if not symmetric:
-        return data
-    t = tilecomm.empty(case.in_shape, case.dtype)
-    t.copy_(data)
-    return t
+        return data, None
+    t = tilecomm.empty((heap_rows, case.in_shape[1]), case.dtype)
+    t[:case.in_shape[0]].copy_(data)
+    return t[:case.in_shape[0]], t
 
 
 def _sync(cuda: bool, barrier: bool = False) -> None:
@@ -156,12 +181,12 @@ def _mismatch(case: Case, ours: torch.Tensor, theirs: torch.Tensor, inp: torch.T
             f"max |diff| {diff.max().item():.4g}")
 
 
-def _verify(case: Case, inp: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, cuda: bool) -> None:
+def _verify(case: Case, inp: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, cuda: bool, splits: dict) -> None:
     """Run both once on `inp`, compare on every rank, raise BenchMismatch on all ranks if any differ."""
     ours, theirs = _functions(case.op)
     out.fill_(float("nan"))  # so an element tilecomm never writes cannot pass
-    ours(out, inp)
-    theirs(ref, inp)
+    ours(out, inp, **splits)
+    theirs(ref, inp, **splits)
     _sync(cuda)
     tilecomm.check_errors()
     problems = [p for p in _gather(_mismatch(case, out, ref, inp)) if p]
@@ -197,21 +222,25 @@ def _time_us(fn, cfg: Config, cuda: bool) -> float:
 def _run_case(case: Case, cfg: Config, cuda: bool) -> dict:
     """Verify, then time tilecomm and the baseline; the row (times: max over ranks of medians)."""
     device = tilecomm.current().device
-    inp = _input(case, cfg.symmetric, device)
+    splits, heap_rows = {}, case.in_shape[0]
+    if cfg.uneven:
+        heap_rows = max(map(sum, uneven_splits(case.shape[0], dist.get_world_size())))
+        case, splits = _make_uneven(case, dist.get_world_size(), dist.get_rank())
+    inp, on_heap = _input(case, cfg.symmetric, device, heap_rows)
     out = torch.empty(case.out_shape, dtype=case.dtype, device=device)
     ref = torch.empty_like(out)
-    _verify(case, inp, out, ref, cuda)
+    _verify(case, inp, out, ref, cuda, splits)
     ours, theirs = _functions(case.op)
-    t_ours = max(_gather(_time_us(lambda: ours(out, inp), cfg, cuda)))
-    t_base = max(_gather(_time_us(lambda: theirs(ref, inp), cfg, cuda)))
-    if cfg.symmetric:
-        tilecomm.free(inp)
+    t_ours = max(_gather(_time_us(lambda: ours(out, inp, **splits), cfg, cuda)))
+    t_base = max(_gather(_time_us(lambda: theirs(ref, inp, **splits), cfg, cuda)))
+    if on_heap is not None:
+        tilecomm.free(on_heap)
     gbps = {"tilecomm": case.nbytes / t_ours / 1e3, "baseline": case.nbytes / t_base / 1e3}
     shape, dtype = case.label.split()
     return {"op": case.op, "shape": shape, "dtype": dtype,
             "world": dist.get_world_size(), "tilecomm_us": t_ours, "baseline_us": t_base,
             "ratio": t_base / t_ours, "gbps": gbps, "bytes": case.nbytes,
-            "baseline": f"torch.distributed/{dist.get_backend()}", "symmetric": cfg.symmetric,
+            "baseline": f"torch.distributed/{dist.get_backend()}", "symmetric": cfg.symmetric, "uneven": cfg.uneven,
             "backend": tilecomm.current().backend}
 
 
@@ -224,6 +253,8 @@ _COLS = ("{:<15} {:>14} {:>9} {:>13} {:>13} {:>7} {:>13} {:>13}")
 def _header(cfg: Config, backend: str) -> str:
     world, base = dist.get_world_size(), dist.get_backend()
     inputs = "tilecomm.empty (symmetric heap, zero-copy)" if cfg.symmetric else "plain torch tensors (staged)"
+    if cfg.uneven:
+        inputs += ", uneven splits (module docstring)"
     lines = [f"tilecomm.bench {cfg.op}: world={world}, backend={backend}, baseline=torch.distributed ({base}), "
              f"inputs={inputs}",
              f"bytes per rank = {_BYTES_RULE[cfg.op]}; GB/s = bytes / time / 1e9",

@@ -1,7 +1,13 @@
-"""Time tilecomm.dispatch's Dispatcher (mode "normal"): backend="tilecomm" against backend="nccl".
+"""Time tilecomm.dispatch's Dispatcher: backend="tilecomm" against backend="nccl".
 
     torchrun --nproc-per-node 8 -m tilecomm.bench dispatch            # 4096 tokens, 7168 hidden, top-8 of 256
+    torchrun --nproc-per-node 8 -m tilecomm.bench dispatch --mode low_latency   # 128 tokens (decode)
     python -m tilecomm.bench dispatch --backend cpu --world-size 2     # Triton interpreter vs gloo
+
+--mode low_latency times Dispatcher(mode="low_latency") (tilecomm only: no host sync, expert-major
+[E_local, capacity, H] output) against the same nccl path in mode "normal" on the same tokens: what a
+decode step would use without tilecomm. Its rows are compared with the reference's after flattening
+each local expert's first tokens_per_expert[e] rows (the same expert-major order, bit for bit).
 
 backend="nccl" is the torch reference path (torch ops + torch.distributed.all_to_all_single: NCCL on
 GPUs, gloo on CPU): the baseline. Both run on the same inputs in the same run. Every rank draws
@@ -38,6 +44,7 @@ from .collectives import _DTYPES, BenchMismatch, RunConfig, _gather, _sync, _tim
 BACKENDS = ("tilecomm", "nccl")
 PHASES = ("dispatch", "combine")
 # (GPU, CPU) defaults; 24 experts divide by 2, 3, 4, 6 and 8 CPU ranks
+LL_TOKENS = (128, 16)  # --mode low_latency default tokens per rank (GPU, CPU)
 DEFAULTS = {"tokens": (4096, 64), "hidden": (7168, 128), "experts": (256, 24), "topk": (8, 4),
             "dtype": ("bfloat16", "float32"), "warmup": (5, 1), "reps": (20, 3), "iters": (10, 2)}
 _TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}  # combine: rtol = atol
@@ -51,6 +58,7 @@ class DispatchConfig(RunConfig):
     hidden: int
     experts: int
     topk: int
+    mode: str = "normal"
 
 
 def config_from_args(args, backend: str, world: int) -> DispatchConfig:
@@ -59,7 +67,9 @@ def config_from_args(args, backend: str, world: int) -> DispatchConfig:
         raise ValueError("dispatch: --rows, --shape and --symmetric do not apply (use --tokens/--hidden)")
     k = 0 if backend == "cuda" else 1
     vals = {name: pair[k] if getattr(args, name) is None else getattr(args, name) for name, pair in DEFAULTS.items()}
-    cfg = DispatchConfig(**vals, json_path=args.json_path, seed=args.seed)
+    if args.mode == "low_latency" and args.tokens is None:
+        vals["tokens"] = LL_TOKENS[k]
+    cfg = DispatchConfig(**vals, mode=args.mode, json_path=args.json_path, seed=args.seed)
     if min(cfg.tokens, cfg.hidden, cfg.experts, cfg.topk, cfg.reps, cfg.iters) < 1 or cfg.warmup < 0:
         raise ValueError("dispatch: --tokens, --hidden, --experts, --topk, --reps, --iters must be >= 1, --warmup >= 0")
     if cfg.experts % world:
@@ -70,11 +80,17 @@ def config_from_args(args, backend: str, world: int) -> DispatchConfig:
 
 
 def heap_bytes(cfg: DispatchConfig, world: int) -> int:
-    """Heap for the largest all-to-all input: at most tokens × world rows of hidden (combine's partials)."""
+    """Heap for the largest all-to-all input (at most tokens × world rows of hidden: combine's partials),
+    or, in low-latency mode, that plus the low-latency Dispatcher's own buffers."""
     from .. import _env
+    from ..dispatch.buffers import low_latency_specs, symmetric_bytes
 
     case = make_case("all_to_all", (cfg.tokens * world, cfg.hidden), cfg.dtype, world)
-    return max(_env.heap_bytes(), heap_bytes_needed([case]))
+    need = heap_bytes_needed([case])
+    if cfg.mode == "low_latency":
+        need += symmetric_bytes(low_latency_specs(world, cfg.experts, cfg.tokens, cfg.topk, cfg.hidden,
+                                                  _DTYPES[cfg.dtype]))
+    return max(_env.heap_bytes(), need)
 
 
 def _inputs(cfg: DispatchConfig, device: torch.device):
@@ -98,21 +114,44 @@ def _problem(rank: int, ours, ref, out_ours, out_ref, tol: float) -> Optional[st
     return None
 
 
+class _Flat:
+    """A low-latency DispatchResult seen as the normal mode's [R, H] rows / [R] weights (expert-major)."""
+
+    def __init__(self, res):
+        counts = res.tokens_per_expert.tolist()
+        self.tokens_per_expert = res.tokens_per_expert
+        self.x = torch.cat([res.x[e, :n] for e, n in enumerate(counts)])
+        self.weights = torch.cat([res.weights[e, :n] for e, n in enumerate(counts)])
+        self.counts = counts
+
+    def expand(self, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """rows [R, H] (expert-major) placed into a [E_local, capacity, H] tensor shaped like `like`."""
+        out = torch.zeros_like(like)
+        start = 0
+        for e, n in enumerate(self.counts):
+            out[e, :n] = rows[start:start + n]
+            start += n
+        return out
+
+
 def _verify(ds: Dict[str, Dispatcher], x, idx, w, cuda: bool):
     """Dispatch with both backends, combine the same y; raise BenchMismatch on every rank if any rank
-    differs. Returns ({backend: DispatchResult}, y)."""
+    differs. Returns ({backend: DispatchResult}, {backend: the y its combine takes})."""
     res = {b: d.dispatch(x, idx, w) for b, d in ds.items()}
+    low_latency = ds["tilecomm"].mode == "low_latency"
+    ours = _Flat(res["tilecomm"]) if low_latency else res["tilecomm"]
     y = torch.randn_like(res["nccl"].x)
-    same_rows = res["tilecomm"].x.shape == y.shape
-    outs = {b: ds[b].combine(y, res[b].handle) for b in BACKENDS} if same_rows else {b: y for b in BACKENDS}
+    ys = {"nccl": y, "tilecomm": ours.expand(y, res["tilecomm"].x) if low_latency else y}
+    same_rows = ours.x.shape == y.shape
+    outs = {b: ds[b].combine(ys[b], res[b].handle) for b in BACKENDS} if same_rows else {b: y for b in BACKENDS}
     _sync(cuda)
     tilecomm.check_errors()
-    mine = _problem(dist.get_rank(), res["tilecomm"], res["nccl"], outs["tilecomm"], outs["nccl"], _TOL[x.dtype])
+    mine = _problem(dist.get_rank(), ours, res["nccl"], outs["tilecomm"], outs["nccl"], _TOL[x.dtype])
     problems = [p for p in _gather(mine) if p]
     if problems:
         raise BenchMismatch("dispatch: Dispatcher(backend='tilecomm') differs from backend='nccl' on the same "
                             "input:\n  " + "\n  ".join(problems))
-    return res, y
+    return res, ys
 
 
 def _times(cfg, ds, res, y, x, idx, w, cuda: bool) -> Dict[tuple, float]:
@@ -120,7 +159,7 @@ def _times(cfg, ds, res, y, x, idx, w, cuda: bool) -> Dict[tuple, float]:
     fns = {}
     for b, d in ds.items():
         fns[(b, "dispatch")] = lambda d=d: d.dispatch(x, idx, w)
-        fns[(b, "combine")] = lambda d=d, h=res[b].handle: d.combine(y, h)
+        fns[(b, "combine")] = lambda d=d, h=res[b].handle, yb=y[b]: d.combine(yb, h)
     return {key: max(_gather(_time_us(fns[key], cfg, cuda))) for key in [(b, p) for p in PHASES for b in BACKENDS]}
 
 
@@ -132,7 +171,7 @@ def _rows(cfg: DispatchConfig, times: Dict[tuple, float], pairs: float, base: st
         rows.append({"op": "dispatch", "phase": phase, "backend": b, "us": us, "gbps": nbytes / us / 1e3,
                      "ratio": t_base / t_ours, "tilecomm_us": t_ours, "baseline_us": t_base, "bytes": nbytes,
                      "pairs": pairs, "tokens": cfg.tokens, "hidden": cfg.hidden, "experts": cfg.experts,
-                     "topk": cfg.topk, "dtype": cfg.dtype, "world": dist.get_world_size(),
+                     "topk": cfg.topk, "dtype": cfg.dtype, "world": dist.get_world_size(), "mode": cfg.mode,
                      "baseline": f"Dispatcher(backend='nccl') over torch.distributed/{base}", "device": backend})
     return rows
 
@@ -142,8 +181,8 @@ _COLS = "{:<9} {:<9} {:>14} {:>9} {:>11} {:>12} {:>15}"
 
 def _header(cfg: DispatchConfig, pairs: float, base: str, backend: str) -> str:
     world = dist.get_world_size()
-    lines = [f"tilecomm.bench dispatch: Dispatcher(mode='normal'), world={world}, backend={backend}, "
-             f"baseline=Dispatcher(backend='nccl') (torch ops + torch.distributed.all_to_all_single over {base})",
+    lines = [f"tilecomm.bench dispatch: Dispatcher(mode='{cfg.mode}'), world={world}, backend={backend}, "
+             f"baseline=Dispatcher(backend='nccl', mode='normal') (torch ops + torch.distributed.all_to_all_single over {base})",
              f"inputs per rank: x = randn({cfg.tokens}, {cfg.hidden}) {cfg.dtype}; routing = uniform random top-{cfg.topk} "
              f"of {cfg.experts} experts (distinct), {cfg.experts // world} experts per rank",
              "NVLink GB/s = pairs x hidden x elem / time / 1e9, pairs = (token, destination rank) pairs with "
@@ -171,8 +210,8 @@ def run_rank(cfg: DispatchConfig) -> List[dict]:
     cuda, base = ctx.backend == "cuda", dist.get_backend()
     torch.manual_seed(cfg.seed * 1000 + rank)  # different data on every rank
     x, idx, w = _inputs(cfg, ctx.device)
-    ds = {b: Dispatcher(cfg.experts, cfg.hidden, cfg.tokens, cfg.topk, _DTYPES[cfg.dtype], mode="normal", backend=b)
-          for b in BACKENDS}
+    ds = {b: Dispatcher(cfg.experts, cfg.hidden, cfg.tokens, cfg.topk, _DTYPES[cfg.dtype],
+                        mode=cfg.mode if b == "tilecomm" else "normal", backend=b) for b in BACKENDS}
     res, y = _verify(ds, x, idx, w, cuda)
     splits = res["nccl"].handle.plan.send_splits
     pairs = statistics.mean(_gather(sum(splits) - splits[rank]))

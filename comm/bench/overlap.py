@@ -10,7 +10,9 @@ Shapes (--shapes, comma list of AxBxC), W ranks, per rank:
 
 Columns (the same problem each): gemm = torch.matmul of the full local problem (cuBLAS on GPUs),
 coll = torch.distributed all_gather_into_tensor / reduce_scatter_tensor (NCCL on GPUs, gloo on CPU),
-seq = coll + gemm in sequence (the baseline), fused = tilecomm.overlap.ag_gemm / gemm_rs,
+seq = coll + gemm in sequence (the baseline), fused = tilecomm.overlap.ag_gemm / gemm_rs with a workspace
+made once per shape, as a layer makes it in __init__ (AgGemmWorkspace / GemmRsWorkspace; a call without one
+makes and frees a temporary workspace, a collective allocation that costs milliseconds),
 tc gemm = tilecomm.overlap.matmul alone, torch = torch.ops.symm_mem.fused_all_gather_matmul /
 fused_matmul_reduce_scatter (n/a where unavailable: they need CUDA). speedup = seq / fused,
 cap = (gemm + coll) / max(gemm, coll) (the speedup of a perfect overlap), eff = gemm / fused.
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import tilecomm
-from tilecomm.overlap import ag_gemm, gemm_rs, matmul
+from tilecomm.overlap import AgGemmWorkspace, GemmRsWorkspace, ag_gemm, gemm_rs, matmul
 
 from .collectives import (_DIST_ALL_GATHER, _DIST_REDUCE_SCATTER, _DTYPES, BenchMismatch, RunConfig, _gather, _sync,
                           _time_us)
@@ -91,7 +93,8 @@ def heap_bytes(cfg: OverlapConfig, world: int) -> int:
 
 
 def _problem(op: str, shape, dt: torch.dtype, device: torch.device) -> Dict[str, Callable]:
-    """The five timed callables (plus "torch", torch's fused op) on this rank's random operands."""
+    """The five timed callables (plus "torch", torch's fused op) on this rank's random operands; "workspace"
+    is tilecomm's symmetric workspace for the shape (the caller frees it)."""
     (M, K, N), W = shape, dist.get_world_size()
     group = dist.group.WORLD.group_name
     c = torch.empty((M, N), dtype=dt, device=device)
@@ -99,19 +102,22 @@ def _problem(op: str, shape, dt: torch.dtype, device: torch.device) -> Dict[str,
         a = torch.randn(M // W, K, device=device).to(dt)
         b = torch.randn(K, N, device=device).to(dt)
         full = torch.empty((M, K), dtype=dt, device=device)
+        ws = AgGemmWorkspace(K, dt, M // W)
         fns = {"gemm": lambda: torch.matmul(full, b, out=c), "coll": lambda: _DIST_ALL_GATHER(full, a),
-               "fused": lambda: ag_gemm(a, b), "tc_gemm": lambda: matmul(full, b),
+               "fused": lambda: ag_gemm(a, b, workspace=ws), "tc_gemm": lambda: matmul(full, b),
                "torch": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group, return_A=False)[1][0]}
         fns["seq"] = lambda: (fns["coll"](), fns["gemm"]())[1]
     else:
         a = torch.randn(M, K, device=device).to(dt)
         b = torch.randn(K, N, device=device).to(dt)
         out = torch.empty((M // W, N), dtype=dt, device=device)
+        ws = GemmRsWorkspace(N, dt, M // W)
         fns = {"gemm": lambda: torch.matmul(a, b, out=c), "coll": lambda: _DIST_REDUCE_SCATTER(out, c),
-               "fused": lambda: gemm_rs(a, b), "tc_gemm": lambda: matmul(a, b),
+               "fused": lambda: gemm_rs(a, b, workspace=ws), "tc_gemm": lambda: matmul(a, b),
                "torch": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group)}
         fns["seq"] = lambda: (fns["gemm"](), fns["coll"](), out)[2]
     fns["product"] = lambda: c  # the local GEMM's result, as the last gemm/seq call left it
+    fns["workspace"] = ws
     return fns
 
 
@@ -159,10 +165,13 @@ def _run_case(cfg: OverlapConfig, shape, cuda: bool) -> dict:
     dt = _DTYPES[cfg.dtype]
     label = f"{cfg.op} {'x'.join(map(str, shape))} {cfg.dtype}"
     fns = _problem(cfg.op, shape, dt, tilecomm.current().device)
-    _verify(label, fns, dt, cuda)
-    torch_na = _try_torch_fused(fns, dt, cuda)
-    names = _NAMES + (() if torch_na else ("torch",))
-    t = {n: max(_gather(_time_us(fns[n], cfg, cuda))) for n in names}
+    try:
+        _verify(label, fns, dt, cuda)
+        torch_na = _try_torch_fused(fns, dt, cuda)
+        names = _NAMES + (() if torch_na else ("torch",))
+        t = {n: max(_gather(_time_us(fns[n], cfg, cuda))) for n in names}
+    finally:
+        fns["workspace"].free()
     base = dist.get_backend()
     return {"op": cfg.op, "shape": "x".join(map(str, shape)), "dtype": cfg.dtype, "world": dist.get_world_size(),
             "gemm_us": t["gemm"], "coll_us": t["coll"], "baseline_us": t["seq"], "tilecomm_us": t["fused"],
