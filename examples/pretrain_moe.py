@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 import tilecomm
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TokenFile, TrainConfig,
-                          Trainer, Transformer, make_dispatcher, parallelize)
+                          Trainer, Transformer, dispatcher_heap_bytes, make_dispatcher, parallelize)
+from tilecomm.moe.trainer import param_dtype
 from tilecomm.moe import checkpoint
 
 PRESETS = {
@@ -84,6 +85,28 @@ def check_flags(args) -> None:
         checkpoint.verify(os.path.join(args.out, "checkpoint"))  # sizes and sha256, before any rank reads it
 
 
+def moe_config(args, device_type: str) -> MoEConfig:
+    """The preset's MoE layer, its tokens in the dtype the Trainer gives the parameters (bf16 on GPUs)."""
+    preset = PRESETS[args.preset]
+    moe, train = preset["moe"], preset["train"]
+    return MoEConfig(hidden=preset["model"]["hidden"], ffn_hidden=moe["ffn_hidden"], num_experts=moe["num_experts"],
+                     topk=moe["topk"], router=dict(aux_loss_coeff=1e-2), seed=args.seed,
+                     dtype=param_dtype("auto", torch.device(device_type)),
+                     max_tokens_per_rank=train["batch_size"] * train["seq_len"])
+
+
+def dispatcher_kind(args, world: int) -> str:
+    return args.dispatcher if world > 1 or args.dispatcher == "fused" else "local"
+
+
+def heap_bytes(args, world: int, device_type: str) -> int:
+    """Symmetric heap per rank: the MoE layers' one set of dispatcher buffers, plus the quarter the runtime keeps
+    for its collectives (TILECOMM_WORKSPACE_BYTES), whole 2 MiB; at least TILECOMM_HEAP_BYTES (default 256 MiB)."""
+    need = dispatcher_heap_bytes(moe_config(args, device_type), dispatcher_kind(args, world), world)
+    default = int(os.environ.get("TILECOMM_HEAP_BYTES", 256 << 20))
+    return max(default, -(-(need + (64 << 20)) * 4 // 3 // (2 << 20)) * (2 << 20))
+
+
 def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_group=None):
     preset = PRESETS[args.preset]
     data = TokenFile(args.data) if args.data else MarkovSource(vocab=preset["model"]["vocab_size"], seed=args.seed)
@@ -96,15 +119,12 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
                        out_dir=args.out, resume=args.resume, checkpoint_every=args.checkpoint_every, progress=rank == 0,
                        peak_flops=989e12 if device.type == "cuda" else None, compile=args.compile, profile=args.profile,
                        save=not args.no_checkpoint)
-    moe_cfg = MoEConfig(hidden=mcfg.hidden, ffn_hidden=moe["ffn_hidden"], num_experts=moe["num_experts"], topk=moe["topk"],
-                        router=dict(aux_loss_coeff=1e-2), seed=args.seed,
-                        max_tokens_per_rank=tcfg.batch_size * tcfg.seq_len)
+    moe_cfg = moe_config(args, device.type)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
     first: list = []  # the MoE layers share one dispatcher's symmetric buffers (they dispatch one after another)
 
     def moe_layer(i: int) -> MoELayer:
-        kind = args.dispatcher if world > 1 or args.dispatcher == "fused" else "local"
-        d = make_dispatcher(moe_cfg, kind, share_with=first[0] if first else None)
+        d = make_dispatcher(moe_cfg, dispatcher_kind(args, world), share_with=first[0] if first else None)
         first.append(d)
         return MoELayer(moe_cfg, dispatcher=d, device=device)
 
@@ -178,14 +198,16 @@ def main() -> None:
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     if "RANK" in os.environ:  # torchrun: this process is one rank
-        tilecomm.init(backend=backend)
+        tilecomm.init(backend=backend, heap_bytes=heap_bytes(args, int(os.environ["WORLD_SIZE"]), backend))
         results = [run_rank(args)]
         tilecomm.finalize()
         if dist.is_initialized():
             dist.destroy_process_group()
     else:
         try:
-            results = tilecomm.launch(run_rank, args.world_size, args, backend=backend)
+            heap = heap_bytes(args, args.world_size, backend)
+            results = tilecomm.launch(run_rank, args.world_size, args, backend=backend,
+                                      env={"TILECOMM_HEAP_BYTES": str(heap)})
         except KeyboardInterrupt:  # the pool has already killed the ranks
             sys.exit(f"interrupted: the {args.world_size} ranks are stopped; --resume continues from the last checkpoint")
     r = results[0]

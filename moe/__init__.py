@@ -11,7 +11,7 @@ examples/pretrain_moe.py puts them together.
 """
 from .data import MarkovSource, TokenFile
 from .experts import GroupedSwiGLUExperts, SharedExpert
-from .layer import LocalDispatcher, MoEConfig, MoELayer, make_dispatcher, shard_expert_state
+from .layer import LocalDispatcher, MoEConfig, MoELayer, dispatcher_heap_bytes, make_dispatcher, shard_expert_state
 from .model import ModelConfig, Transformer, compile_blocks
 from .optim import AdamW, cast_parameters
 from .parallel import PIPELINE_UNSUPPORTED, ParallelLayout, ProcessGroups
@@ -20,6 +20,6 @@ from .router import Router, RouterConfig, RouterOutput
 from .trainer import TrainConfig, Trainer
 
 __all__ = ["MarkovSource", "TokenFile", "GroupedSwiGLUExperts", "SharedExpert", "LocalDispatcher", "MoEConfig",
-           "MoELayer", "make_dispatcher", "shard_expert_state", "ModelConfig", "Transformer", "compile_blocks", "AdamW",
+           "MoELayer", "dispatcher_heap_bytes", "make_dispatcher", "shard_expert_state", "ModelConfig", "Transformer", "compile_blocks", "AdamW",
            "cast_parameters", "PIPELINE_UNSUPPORTED", "ParallelLayout", "ProcessGroups", "param_roles", "parallelize",
            "Router", "RouterConfig", "RouterOutput", "TrainConfig", "Trainer"]

@@ -142,6 +142,22 @@ def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None, share_wit
                       group=group, backend=kind, buffers=buffers)
 
 
+def dispatcher_heap_bytes(config: MoEConfig, kind: str, world: int) -> int:
+    """Symmetric heap bytes that make_dispatcher(config, kind) takes on each of `world` ranks (once: the layers
+    of a model share one set, see share_with); 0 for kinds that use no symmetric memory ("local", "nccl").
+    The runtime's heap must hold this beside its collectives' workspace (tilecomm.init's heap_bytes)."""
+    if kind in ("local", "nccl") or (kind == "auto" and world == 1):
+        return 0
+    if kind not in ("tilecomm", "fused", "auto"):
+        raise ValueError(f"dispatcher_heap_bytes: kind={kind!r}; expected 'auto', 'local', 'tilecomm', 'nccl' or 'fused'")
+    from tilecomm.dispatch.buffers import normal_specs, symmetric_bytes
+    args = (world, config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden, config.dtype)
+    if kind == "fused":
+        from tilecomm.overlap.moe_fused import fused_moe_specs
+        return symmetric_bytes(fused_moe_specs(*args))
+    return symmetric_bytes(normal_specs(*args))
+
+
 class MoELayer(nn.Module):
     """See the module docstring. `dispatcher`: an object with the Dispatcher interface, a kind for
     make_dispatcher ("auto", "local", "tilecomm", "nccl"), or None (= "auto")."""

@@ -38,6 +38,14 @@ from .tensor_parallel import sequence_shard
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def param_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype a Trainer gives the model's parameters (TrainConfig.precision; "auto": bf16 on GPUs, else fp32):
+    the dtype to build the MoE layers' dispatchers for (MoEConfig.dtype)."""
+    if precision == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return PRECISIONS[precision]
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int
@@ -145,9 +153,7 @@ class Trainer:
                              "parallelized differently; parallelize(model, cp_group=groups.cp)")
 
     def _param_dtype(self) -> torch.dtype:
-        if self.cfg.precision == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        return PRECISIONS[self.cfg.precision]
+        return param_dtype(self.cfg.precision, self.device)
 
     def _ckpt_dir(self) -> str:
         return os.path.join(self.cfg.out_dir, "checkpoint")

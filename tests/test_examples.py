@@ -90,3 +90,31 @@ def test_pretrain_bad_flag_exits_with_usage_error(tmp_path):
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and text in proc.stderr and "usage:" in proc.stderr, proc.stderr[-2000:]
         assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_pretrain_sizes_the_heap_for_its_dispatchers(monkeypatch):
+    """Under torchrun the example asks tilecomm.init for a heap that holds its MoE layers' dispatcher buffers
+    beside the collectives' quarter (the 256 MiB default does not hold the h200x4 preset's: MemoryError on 2 GPUs),
+    with the tokens in the parameters' dtype (bf16 on GPUs: the Dispatcher checks it)."""
+    import argparse
+
+    import torch
+
+    from tilecomm import _env
+    from tilecomm.moe import dispatcher_heap_bytes
+
+    monkeypatch.delenv("TILECOMM_HEAP_BYTES", raising=False)
+    example = _example_module()
+    for dispatcher in ("tilecomm", "fused", "nccl"):
+        args = argparse.Namespace(preset="h200x4", dispatcher=dispatcher, seed=0)
+        cfg = example.moe_config(args, "cuda")
+        assert cfg.dtype == torch.bfloat16 and example.moe_config(args, "cpu").dtype == torch.float32
+        for world in (2, 4):
+            need = dispatcher_heap_bytes(cfg, dispatcher, world)
+            heap = example.heap_bytes(args, world, "cuda")
+            assert heap - _env.workspace_bytes(heap) >= need and heap % (2 << 20) == 0
+            default = 256 << 20
+            assert (need > default - _env.workspace_bytes(default)) == (dispatcher != "nccl")  # the default failed
+            assert (heap > default) == (dispatcher != "nccl")
+    monkeypatch.setenv("TILECOMM_HEAP_BYTES", str(64 << 30))  # a larger heap asked for is kept
+    assert example.heap_bytes(argparse.Namespace(preset="h200x4", dispatcher="fused", seed=0), 2, "cuda") == 64 << 30
