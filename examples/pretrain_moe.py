@@ -85,14 +85,18 @@ def check_flags(args) -> None:
         checkpoint.verify(os.path.join(args.out, "checkpoint"))  # sizes and sha256, before any rank reads it
 
 
-def moe_config(args, device_type: str) -> MoEConfig:
-    """The preset's MoE layer, its tokens in the dtype the Trainer gives the parameters (bf16 on GPUs)."""
+def moe_config(args) -> MoEConfig:
+    """The preset's MoE layer (built in fp32; the Trainer casts it, keeping fp32 masters)."""
     preset = PRESETS[args.preset]
     moe, train = preset["moe"], preset["train"]
     return MoEConfig(hidden=preset["model"]["hidden"], ffn_hidden=moe["ffn_hidden"], num_experts=moe["num_experts"],
                      topk=moe["topk"], router=dict(aux_loss_coeff=1e-2), seed=args.seed,
-                     dtype=param_dtype("auto", torch.device(device_type)),
                      max_tokens_per_rank=train["batch_size"] * train["seq_len"])
+
+
+def tokens_dtype(device_type: str) -> torch.dtype:
+    """The dtype the MoE layers' tokens have in training: the Trainer's parameter dtype (bf16 on GPUs)."""
+    return param_dtype("auto", torch.device(device_type))
 
 
 def dispatcher_kind(args, world: int) -> str:
@@ -102,7 +106,7 @@ def dispatcher_kind(args, world: int) -> str:
 def heap_bytes(args, world: int, device_type: str) -> int:
     """Symmetric heap per rank: the MoE layers' one set of dispatcher buffers, plus the quarter the runtime keeps
     for its collectives (TILECOMM_WORKSPACE_BYTES), whole 2 MiB; at least TILECOMM_HEAP_BYTES (default 256 MiB)."""
-    need = dispatcher_heap_bytes(moe_config(args, device_type), dispatcher_kind(args, world), world)
+    need = dispatcher_heap_bytes(moe_config(args), dispatcher_kind(args, world), world, tokens_dtype(device_type))
     default = int(os.environ.get("TILECOMM_HEAP_BYTES", 256 << 20))
     return max(default, -(-(need + (64 << 20)) * 4 // 3 // (2 << 20)) * (2 << 20))
 
@@ -119,12 +123,13 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
                        out_dir=args.out, resume=args.resume, checkpoint_every=args.checkpoint_every, progress=rank == 0,
                        peak_flops=989e12 if device.type == "cuda" else None, compile=args.compile, profile=args.profile,
                        save=not args.no_checkpoint)
-    moe_cfg = moe_config(args, device.type)
+    moe_cfg = moe_config(args)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
     first: list = []  # the MoE layers share one dispatcher's symmetric buffers (they dispatch one after another)
 
     def moe_layer(i: int) -> MoELayer:
-        d = make_dispatcher(moe_cfg, dispatcher_kind(args, world), share_with=first[0] if first else None)
+        d = make_dispatcher(moe_cfg, dispatcher_kind(args, world), share_with=first[0] if first else None,
+                            dtype=tokens_dtype(device.type))
         first.append(d)
         return MoELayer(moe_cfg, dispatcher=d, device=device)
 

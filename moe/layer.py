@@ -25,7 +25,7 @@ the ranks); expert gradients are local and already include every rank's tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -115,12 +115,15 @@ class LocalDispatcher:
         return unpermute(y, handle.topk_weights, handle.pair_row, handle.row_pair)
 
 
-def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None, share_with=None):
+def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None, share_with=None, dtype=None):
     """"local" (LocalDispatcher), "tilecomm" / "nccl" (tilecomm.dispatch.Dispatcher over the EP world),
     "fused" (tilecomm.overlap.FusedMoEWorkspace: fused dispatch + experts + combine), or "auto": tilecomm
     when its runtime is up with more than one rank, else local. share_with: another layer's dispatcher of
     the same config, whose symmetric buffers this one reuses (the layers of a model dispatch one after
-    another, so one set of buffers serves them all; a fused workspace is shared as it is)."""
+    another, so one set of buffers serves them all; a fused workspace is shared as it is). dtype: the tokens'
+    dtype where it is not config.dtype (a Trainer casts fp32-built layers to bf16 on GPUs: pass bf16 there)."""
+    if dtype is not None:
+        config = replace(config, dtype=dtype)
     if kind == "auto":
         import tilecomm
         kind = "tilecomm" if tilecomm.is_initialized() and tilecomm.world_size() > 1 else "local"
@@ -142,16 +145,16 @@ def make_dispatcher(config: MoEConfig, kind: str = "auto", group=None, share_wit
                       group=group, backend=kind, buffers=buffers)
 
 
-def dispatcher_heap_bytes(config: MoEConfig, kind: str, world: int) -> int:
-    """Symmetric heap bytes that make_dispatcher(config, kind) takes on each of `world` ranks (once: the layers
-    of a model share one set, see share_with); 0 for kinds that use no symmetric memory ("local", "nccl").
-    The runtime's heap must hold this beside its collectives' workspace (tilecomm.init's heap_bytes)."""
+def dispatcher_heap_bytes(config: MoEConfig, kind: str, world: int, dtype=None) -> int:
+    """Symmetric heap bytes that make_dispatcher(config, kind, dtype=dtype) takes on each of `world` ranks (once:
+    the layers of a model share one set, see share_with); 0 for kinds that use no symmetric memory ("local",
+    "nccl"). The runtime's heap must hold this beside its collectives' workspace (tilecomm.init's heap_bytes)."""
     if kind in ("local", "nccl") or (kind == "auto" and world == 1):
         return 0
     if kind not in ("tilecomm", "fused", "auto"):
         raise ValueError(f"dispatcher_heap_bytes: kind={kind!r}; expected 'auto', 'local', 'tilecomm', 'nccl' or 'fused'")
     from tilecomm.dispatch.buffers import normal_specs, symmetric_bytes
-    args = (world, config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden, config.dtype)
+    args = (world, config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden, dtype or config.dtype)
     if kind == "fused":
         from tilecomm.overlap.moe_fused import fused_moe_specs
         return symmetric_bytes(fused_moe_specs(*args))

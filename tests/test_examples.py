@@ -107,10 +107,10 @@ def test_pretrain_sizes_the_heap_for_its_dispatchers(monkeypatch):
     example = _example_module()
     for dispatcher in ("tilecomm", "fused", "nccl"):
         args = argparse.Namespace(preset="h200x4", dispatcher=dispatcher, seed=0)
-        cfg = example.moe_config(args, "cuda")
-        assert cfg.dtype == torch.bfloat16 and example.moe_config(args, "cpu").dtype == torch.float32
+        cfg = example.moe_config(args)
+        assert example.tokens_dtype("cuda") == torch.bfloat16 and example.tokens_dtype("cpu") == torch.float32
         for world in (2, 4):
-            need = dispatcher_heap_bytes(cfg, dispatcher, world)
+            need = dispatcher_heap_bytes(cfg, dispatcher, world, torch.bfloat16)
             heap = example.heap_bytes(args, world, "cuda")
             assert heap - _env.workspace_bytes(heap) >= need and heap % (2 << 20) == 0
             default = 256 << 20
