@@ -94,9 +94,10 @@ def moe_config(args) -> MoEConfig:
                      max_tokens_per_rank=train["batch_size"] * train["seq_len"])
 
 
-def tokens_dtype(device_type: str) -> torch.dtype:
-    """The dtype the MoE layers' tokens have in training: the Trainer's parameter dtype (bf16 on GPUs)."""
-    return param_dtype("auto", torch.device(device_type))
+def tokens_dtype(args, device_type: str) -> torch.dtype:
+    """The dtype the MoE layers' tokens have in training: the Trainer's parameter dtype (--precision; auto: bf16
+    on GPUs, fp32 on CPUs)."""
+    return param_dtype(args.precision, torch.device(device_type))
 
 
 def dispatcher_kind(args, world: int) -> str:
@@ -106,7 +107,7 @@ def dispatcher_kind(args, world: int) -> str:
 def heap_bytes(args, world: int, device_type: str) -> int:
     """Symmetric heap per rank: the MoE layers' one set of dispatcher buffers, plus the quarter the runtime keeps
     for its collectives (TILECOMM_WORKSPACE_BYTES), whole 2 MiB; at least TILECOMM_HEAP_BYTES (default 256 MiB)."""
-    need = dispatcher_heap_bytes(moe_config(args), dispatcher_kind(args, world), world, tokens_dtype(device_type))
+    need = dispatcher_heap_bytes(moe_config(args), dispatcher_kind(args, world), world, tokens_dtype(args, device_type))
     default = int(os.environ.get("TILECOMM_HEAP_BYTES", 256 << 20))
     return max(default, -(-(need + (64 << 20)) * 4 // 3 // (2 << 20)) * (2 << 20))
 
@@ -122,14 +123,14 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
     tcfg = TrainConfig(**dict(preset["train"], **({"steps": args.steps} if args.steps is not None else {})),
                        out_dir=args.out, resume=args.resume, checkpoint_every=args.checkpoint_every, progress=rank == 0,
                        peak_flops=989e12 if device.type == "cuda" else None, compile=args.compile, profile=args.profile,
-                       save=not args.no_checkpoint)
+                       save=not args.no_checkpoint, precision=args.precision)
     moe_cfg = moe_config(args)
     torch.manual_seed(args.seed)  # the same dense weights on every rank
     first: list = []  # the MoE layers share one dispatcher's symmetric buffers (they dispatch one after another)
 
     def moe_layer(i: int) -> MoELayer:
         d = make_dispatcher(moe_cfg, dispatcher_kind(args, world), share_with=first[0] if first else None,
-                            dtype=tokens_dtype(device.type))
+                            dtype=tokens_dtype(args, device.type))
         first.append(d)
         return MoELayer(moe_cfg, dispatcher=d, device=device)
 
@@ -193,6 +194,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of attention and the dense MLP, with "
                    "sequence parallelism (tp x cp divides the world size; divides num_heads)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="parameters' dtype (fp32 masters in the optimizer for bf16); auto: bf16 on GPUs, fp32 on CPUs")
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     args = p.parse_args()
     backend = args.backend if args.backend != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -60,6 +60,9 @@ class GradReducer:
                     p.grad = torch.zeros_like(p)
         for params, groups in self.buckets:
             grads = [p.grad for p in params]
+            if len({g.dtype for g in grads}) > 1:
+                raise TypeError("GradReducer: one bucket holds gradients of several dtypes "
+                                f"({sorted({str(g.dtype) for g in grads})}); make the reducer after casting the parameters")
             flat = torch._utils._flatten_dense_tensors(grads)
             for group in groups:
                 dist.all_reduce(flat, group=group)

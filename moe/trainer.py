@@ -121,13 +121,15 @@ class Trainer:
             self.config_record["tensor_parallel"] = self.tp_size
         self.roles = roles_of(model)
         self.named_params = list(model.named_parameters())
-        tp = [self.tp_group] if self.tp_group else []
-        self.reducer = GradReducer(self.named_params, self.roles, {
-            EXPERT: [self.edp_group], TENSOR_PARALLEL: [self.dp_group], REPLICATED: [self.dp_group, *tp]},
-            bucket_bytes=cfg.bucket_mb << 20)
         self.norm_groups = {TENSOR_PARALLEL: self.tp_group, EXPERT: self.ep_group}
         self.param_dtype = self._param_dtype()
         masters = cast_parameters(model, self.param_dtype)
+        tp = [self.tp_group] if self.tp_group else []
+        # buckets by the cast parameters' dtypes (one bucket flattens to one dtype; bf16 and fp32 parameters
+        # must not share one, or the bf16 ones would be handed back fp32 gradients)
+        self.reducer = GradReducer(self.named_params, self.roles, {
+            EXPERT: [self.edp_group], TENSOR_PARALLEL: [self.dp_group], REPLICATED: [self.dp_group, *tp]},
+            bucket_bytes=cfg.bucket_mb << 20)
         decay = [p for n, p in self.named_params if p.dim() >= 2]
         rest = [p for n, p in self.named_params if p.dim() < 2]
         self.opt = AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],

@@ -106,9 +106,9 @@ def test_pretrain_sizes_the_heap_for_its_dispatchers(monkeypatch):
     monkeypatch.delenv("TILECOMM_HEAP_BYTES", raising=False)
     example = _example_module()
     for dispatcher in ("tilecomm", "fused", "nccl"):
-        args = argparse.Namespace(preset="h200x4", dispatcher=dispatcher, seed=0)
+        args = argparse.Namespace(preset="h200x4", dispatcher=dispatcher, seed=0, precision="auto")
         cfg = example.moe_config(args)
-        assert example.tokens_dtype("cuda") == torch.bfloat16 and example.tokens_dtype("cpu") == torch.float32
+        assert example.tokens_dtype(args, "cuda") == torch.bfloat16 and example.tokens_dtype(args, "cpu") == torch.float32
         for world in (2, 4):
             need = dispatcher_heap_bytes(cfg, dispatcher, world, torch.bfloat16)
             heap = example.heap_bytes(args, world, "cuda")
@@ -117,4 +117,16 @@ def test_pretrain_sizes_the_heap_for_its_dispatchers(monkeypatch):
             assert (need > default - _env.workspace_bytes(default)) == (dispatcher != "nccl")  # the default failed
             assert (heap > default) == (dispatcher != "nccl")
     monkeypatch.setenv("TILECOMM_HEAP_BYTES", str(64 << 30))  # a larger heap asked for is kept
-    assert example.heap_bytes(argparse.Namespace(preset="h200x4", dispatcher="fused", seed=0), 2, "cuda") == 64 << 30
+    assert example.heap_bytes(argparse.Namespace(preset="h200x4", dispatcher="fused", seed=0, precision="auto"), 2,
+                              "cuda") == 64 << 30
+
+
+@pytest.mark.parametrize("dispatcher,world", [("tilecomm", "3"), ("fused", "2")])
+def test_pretrain_bf16_parameters_on_several_ranks(tmp_path, dispatcher, world):
+    """--precision bf16 (what GPUs get by default) over several ranks: the dispatcher takes bf16 tokens and the
+    gradient buckets hold one dtype each (bf16 experts beside fp32 parameters)."""
+    out = tmp_path / "run"
+    _run(["examples/pretrain_moe.py", "--world-size", world, "--steps", "2", "--dispatcher", dispatcher,
+          "--precision", "bf16", "--no-checkpoint", "--out", str(out)], timeout=600)
+    steps = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(steps) == 2 and all(0 < s["loss"] < 10 for s in steps), steps
