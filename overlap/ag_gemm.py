@@ -3,19 +3,28 @@
     a_shard [m, K] on every member of the team (member r holds rows r*m ... (r+1)*m - 1 of A),
     b [K, n] -> C [W*m, n]; the team is a torch.distributed group (default: the world) of W ranks
 
-Two kernels run at once, on two streams (on CPU ranks: one after the other):
+Two things run at once, on two streams (on CPU ranks: one after the other):
 
-* push (the workspace's communication stream, a few programs per peer): member me puts its shard, row
-  tile by row tile, into slot me of every other member's symmetric gather buffer and SETs that member's
-  flag[me, tile] to the call's epoch; peers that need the shard earliest get it first;
+* the push (the workspace's communication stream): member me puts its shard into slot me of every other
+  member's symmetric gather buffer and SETs that member's flag of each chunk to the call's epoch; members
+  that need the shard earliest get it first. Two ways (`AgGemmWorkspace.push`):
+  - "copy" (where every member is directly reachable: NVLink peers, CPU ranks): the copy engine moves the
+    shard in up to 4 chunks (`tensor.copy_` into the peer's heap view) and each chunk's flag is a stream
+    write (tilecomm.stream_ops): no SM is taken from the GEMM, and nothing queued behind it needs one;
+  - "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
+    programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs start first and hold
+    their SMs until the shard is out, so the persistent GEMM's last programs wait for them.
 * GEMM (current stream, the TMA tile GEMM of tiles.py, persistent): tiles in ring order, own shard first
-  (read in place, no waiting), then shards me+1, me+2, ...; before a peer's tile it waits for
-  flag[src, tile] >= epoch, so the first tiles compute while later ones are still arriving.
+  (read in place, no waiting), then shards me+1, me+2, ...; before a peer's tile it waits for the flag of
+  that tile's chunk, so the first tiles compute while later ones are still arriving.
 
-A final one-program kernel SETs consumed[me] on every member; the next call's push waits for it before
-overwriting a peer's gather slot. Kernels see team indices; `pes_ptr` maps them to PEs (team.py).
-The buffers live in an `AgGemmWorkspace` made up front (layers make theirs in `__init__`); without one,
-the call makes a temporary workspace and frees it. `ag_gemm_reference` is the torch version tests use.
+The gather buffer is double-buffered by call parity, so no call waits for the members to have read the last
+one: call e + 1 writes the buffer call e - 1 used, and it starts (the push stream waits for the current one)
+after this rank's call e, which could only finish once every member's call e push had come, each issued after
+that member's call e - 1 GEMM. A call with nothing to move spends no epoch. Kernels see team indices;
+`pes_ptr` maps them to PEs (team.py). The buffers live in an `AgGemmWorkspace` made up front (layers make
+theirs in `__init__`); without one, the call makes a temporary workspace and frees it. `ag_gemm_reference` is
+the torch version tests use.
 """
 from __future__ import annotations
 
@@ -30,39 +39,75 @@ import tilecomm
 import tilecomm.language as tcl
 from tilecomm.jit import CachedLaunch
 
-from .team import OpWorkspace, release, team_of
+from tilecomm import _env, stream_ops
+
+from .team import OpWorkspace, team_of
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
-_PUSH_PROGRAMS = 8  # per peer: enough to fill a link, few enough not to take SMs from the GEMM
+_PUSH_PROGRAMS = 8  # push="kernel": programs per peer
+PUSH_MODES = ("auto", "copy", "kernel")
+_COPY_CHUNKS = 4  # push="copy": at most this many copies (and flags) per peer ...
+_COPY_CHUNK_BYTES = 4 << 20  # ... of at least this many bytes each
 
 
 class AgGemmWorkspace(OpWorkspace):
     """Symmetric buffers of ag_gemm over `group` for shards of up to `max_rows` rows of `K` columns of
-    `dtype` (collective over the world): gather [W, max_rows, K rounded up to 16 bytes], flags, consumed."""
+    `dtype` (collective over the world): gather [2, W, max_rows, K rounded up to 16 bytes] (by call parity),
+    flags [W * max_rows / 16]. push: "copy", "kernel" (module docstring) or "auto" ("copy" where every member
+    is directly reachable and stream writes work, else "kernel"; the choice is in `self.push`)."""
 
-    def __init__(self, K: int, dtype: torch.dtype, max_rows: int, group=None):
+    def __init__(self, K: int, dtype: torch.dtype, max_rows: int, group=None, push: str = "auto"):
         team = team_of(group, "AgGemmWorkspace")
         for name, v in (("K", K), ("max_rows", max_rows)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"AgGemmWorkspace: {name} must be a positive int, got {v!r}")
+        if push not in PUSH_MODES:
+            raise ValueError(f"AgGemmWorkspace: push={push!r}; expected one of {PUSH_MODES}")
+        push = _push_mode(push, team, tilecomm.current().device)  # (before any allocation: a bad push raises)
         W, pad = team.size, 16 // torch.empty((), dtype=dtype).element_size()
-        self.K, self.dtype, self.max_rows = K, dtype, max_rows
+        self.K, self.dtype, self.max_rows, self.push = K, dtype, max_rows, push
         super().__init__(team, "tilecomm.overlap.ag_gemm", {
-            "gather": ((W, max_rows, triton.cdiv(K, pad) * pad), dtype, False),
-            "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK_M),), torch.int64, True),
-            "consumed": ((W,), torch.int64, True)})
+            "gather": ((2, W, max_rows, triton.cdiv(K, pad) * pad), dtype, False),
+            "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK_M),), torch.int64, True)})
+        # push="copy": every other member's gather buffer and flags, as local views of its heap
+        others = [i for i in range(W) if i != team.index] if push == "copy" else []
+        self.peer_gather = {i: tilecomm.peer(self.gather, team.ranks[i]) for i in others}
+        self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in others}
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
 
 
+def _push_mode(push: str, team, device: torch.device) -> str:
+    """The push a workspace uses, the same on every rank (a GEMM reads its flags by the pushing member's chunk
+    size): `push`, or for "auto" the copy engine where every rank can have it (collective over the world, as
+    the workspace is; ValueError on every rank where "copy" is asked for and some rank cannot have it)."""
+    if push == "kernel":
+        return push
+    ctx = tilecomm.current()
+    if _env.transport() == "nvshmem" and device.type == "cuda":
+        why = "TILECOMM_TRANSPORT=nvshmem (pushes go through NVSHMEM calls)"
+    elif any(ctx.heap.peers[pe] is None for pe in team.ranks):
+        why = "a member of the team is not directly reachable (no load/store mapping of its heap)"
+    else:
+        why = stream_ops.available(device)
+    reasons = ctx.boot.all_gather_object(why) if ctx.world_size > 1 else [why]
+    failing = [(r, w) for r, w in enumerate(reasons) if w is not None]
+    if not failing:
+        return "copy"
+    if push == "copy":
+        raise ValueError(f"AgGemmWorkspace: push='copy' is not available on rank {failing[0][0]}: {failing[0][1]}")
+    return "kernel"
+
+
 @tilecomm.jit(do_not_specialize=["epoch"])
-def _push_kernel(a_ptr, gather_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, m, K, stride_gm, slot_stride,
-                 flag_stride, me, W, BLOCK_M: tl.constexpr):
+def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, slot_stride, flag_stride, me, W,
+                 BLOCK_M: tl.constexpr):
+    """push="kernel": program (j, i) puts row tiles i, i + P, ... of the shard to the member that reads it at
+    its step j + 1 and SETs that member's flag of each tile (one flag per row tile)."""
     dest = (me + W - 1 - tl.program_id(0)) % W  # team index; it reads this shard at its step program_id(0) + 1
     dest_pe = tl.load(pes_ptr + dest)
-    tok = tcl.wait(consumed_ptr + dest, epoch - 1, tcl.CMP_GE)  # dest has finished reading the last call
-    slot = tcl.consume_token(gather_ptr, tok) + tl.cast(me, tl.int64) * slot_stride
+    slot = gather_ptr + tl.cast(me, tl.int64) * slot_stride
     for tile in range(tl.program_id(1), tl.cdiv(m, BLOCK_M), tl.num_programs(1)):
         for r in range(tile * BLOCK_M, tl.minimum(m, (tile + 1) * BLOCK_M)):
             tcl.put(slot + tl.cast(r, tl.int64) * stride_gm, a_ptr + tl.cast(r, tl.int64) * K, K, dest_pe)
@@ -71,7 +116,7 @@ def _push_kernel(a_ptr, gather_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, m, 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_am, stride_gm, slot_stride,
-                 flag_stride, stride_b, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 flag_stride, tiles_per_flag, stride_b, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr):
     # one group: any aligned group stride will do
@@ -88,7 +133,7 @@ def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me,
             a_src = a_ptr
             stride = stride_am
         else:
-            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m, epoch, tcl.CMP_GE)
+            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m // tiles_per_flag, epoch, tcl.CMP_GE)
             g = proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the peer's stores
             a_src = gather_ptr + g.to(tl.int64) * slot_stride
             stride = stride_gm
@@ -131,41 +176,67 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = Fals
     team = _check(what, a_shard, b, group, workspace)
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
     ws = workspace or AgGemmWorkspace(K, a_shard.dtype, max(m, 1), group)
-    epoch = ws.begin(("ag_gemm", m, K, N, str(a_shard.dtype)))
     c = torch.empty((W * m, N), dtype=a_shard.dtype, device=a_shard.device)
-    if m and N and K:
-        _launch(a_shard, b, c, ws, epoch, team, config)
-    else:
-        c.zero_()
-    release(ws, team)
     gathered = None
-    if return_gathered:
-        gathered = ws.gather[:, :m, :K].reshape(W * m, K).clone()
-        gathered[me * m:(me + 1) * m] = a_shard  # the own shard never goes through the buffer
+    if m and N and K:  # (every member has the same m: the workspace compares the calls' shapes)
+        epoch = ws.begin(("ag_gemm", m, K, N, str(a_shard.dtype)))
+        _launch(a_shard, b, c, ws, epoch, team, config)
+        if return_gathered:
+            gathered = ws.gather[epoch % 2, :, :m, :K].reshape(W * m, K).clone()
+            gathered[me * m:(me + 1) * m] = a_shard  # the own shard never goes through the buffer
+    else:  # nothing moves: no epoch is spent, so the parity argument of the module docstring holds
+        c.zero_()
+        if return_gathered:  # m == 0: empty; K == 0 or N == 0: the shards did not move, A is not gathered
+            if m and K:
+                raise ValueError(f"{what}: return_gathered with n == 0 is not supported (nothing is gathered)")
+            gathered = torch.empty((W * m, K), dtype=a_shard.dtype, device=a_shard.device)
     if workspace is None:
         ws.free()
     return (c, gathered) if return_gathered else c
 
 
+def _copy_chunk_rows(m: int, K: int, elem: int, block_m: int) -> int:
+    """push="copy": rows per copy, a multiple of the GEMM's row tile (one flag per chunk)."""
+    rows = max(triton.cdiv(m, _COPY_CHUNKS), triton.cdiv(_COPY_CHUNK_BYTES, max(K * elem, 1)))
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, chunk_rows: int) -> None:
+    """Copy engine: the shard into each other member's gather slot, chunk by chunk, each chunk's flag written
+    in stream order behind it; members in the order they read it (the one at step 1 first)."""
+    (m, K), W, me = a_shard.shape, team.size, team.index
+    flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK_M)
+    for step in range(1, W):
+        dest = (me - step) % W  # reads this shard at its step `step`
+        slot, flags = ws.peer_gather[dest][epoch % 2, me], ws.peer_flags[dest]
+        for chunk, r0 in enumerate(range(0, m, chunk_rows)):
+            r1 = min(m, r0 + chunk_rows)
+            slot[r0:r1, :K].copy_(a_shard[r0:r1], non_blocking=True)
+            stream_ops.write_word(flags[me * flag_stride + chunk], epoch, ws.stream)
+
+
 def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
-    g = ws.gather
+    g = ws.gather[epoch % 2]
     flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK_M)
     a, _ = tma_operand(a_shard)
     bt, b_trans = tma_operand(b, allow_trans=True)
     C_TMA = c.stride(0) * c.element_size() % 16 == 0
     cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
-    if W > 1:  # (a launch with no programs is skipped)
-        tiles_m = triton.cdiv(m, cfg.BLOCK_M)
+    chunk_rows = _copy_chunk_rows(m, K, a.element_size(), cfg.BLOCK_M) if ws.push == "copy" else cfg.BLOCK_M
+    if W > 1:
         if ws.stream is not None:
             ws.stream.wait_stream(torch.cuda.current_stream(a.device))
         with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
-            _PUSH.launch((W - 1, min(tiles_m, _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g, ws.flags,
-                         ws.consumed, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
-                         BLOCK_M=cfg.BLOCK_M)
+            if ws.push == "copy":
+                _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
+            else:
+                _PUSH.launch((W - 1, min(triton.cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g,
+                             ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
+                             BLOCK_M=cfg.BLOCK_M)
     launch_gemm(_GEMM, W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
-                epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride, bt.stride(0), c.stride(0),
-                B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype))
+                epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride, chunk_rows // cfg.BLOCK_M,
+                bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype))
     if W > 1 and ws.stream is not None:
         torch.cuda.current_stream(a.device).wait_stream(ws.stream)
         a_shard.record_stream(ws.stream)

@@ -23,9 +23,14 @@ def _rand(shape, seed, dtype):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(dev())
 
 
-def ag_gemm_body(m, K, n, dtype, calls):
+def ag_gemm_body(m, K, n, dtype, calls, push="auto", chunk_bytes=None):
+    import tilecomm.overlap.ag_gemm as module
+
     rank = tilecomm.rank()
-    ws = AgGemmWorkspace(K, dtype, m + 3)  # owned, made up front, reused by every call
+    if chunk_bytes:  # push="copy" in several chunks (each its own flag) even at these small sizes
+        module._COPY_CHUNK_BYTES = chunk_bytes
+    ws = AgGemmWorkspace(K, dtype, m + 3, push=push)  # owned, made up front, reused by every call
+    assert ws.push == ("copy" if push == "auto" else push)  # CPU ranks: every peer is mapped
     for call in range(calls):  # fresh data each call: the gather buffer and flags are reused
         rows = m - call  # fewer rows than the workspace holds
         a = _rand((rows, K), 100 * call + rank, dtype)
@@ -46,6 +51,22 @@ def ag_gemm_body(m, K, n, dtype, calls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_ag_gemm(ranks, world, dtype):
     ranks(world).run(ag_gemm_body, 19, 23, 37, dtype, 2)  # odd sizes: rows, K, n multiples of no tile
+
+
+@pytest.mark.parametrize("world,push", [(3, "kernel"), (2, "copy"), (4, "copy")])
+def test_ag_gemm_push_modes(ranks, world, push):
+    """Both pushes over 4 calls (the gather buffer's two halves each reused); the copy push in chunks of a
+    few row tiles (70 rows: several flags per shard, each covering more than one tile)."""
+    ranks(world).run(ag_gemm_body, 70, 16, 24, torch.float32, 4, push, 2 * 16 * 4)
+
+
+def test_ag_gemm_copy_chunks():
+    from tilecomm.overlap.ag_gemm import _COPY_CHUNK_BYTES, _COPY_CHUNKS, _copy_chunk_rows
+
+    for m, K, elem, bm in ((8192, 8192, 2, 128), (100, 7, 4, 16), (1, 1, 2, 64), (4096, 4096, 2, 64)):
+        rows = _copy_chunk_rows(m, K, elem, bm)
+        assert rows % bm == 0 and -(-m // rows) <= _COPY_CHUNKS
+        assert rows * K * elem >= min(_COPY_CHUNK_BYTES, m * K * elem)  # no chunk smaller than needed
 
 
 def gemm_rs_body(mb, K, N, dtype, calls):
@@ -159,6 +180,8 @@ def bad_overlap_inputs():
             cls(8, -2)
         with pytest.raises(ValueError, match="max_tokens"):
             cls(8, 8, max_tokens=world + 1)
+    with pytest.raises(ValueError, match="push='sideways'; expected one of"):
+        AgGemmWorkspace(8, torch.float32, 4, push="sideways")
     ws = AgGemmWorkspace(8, torch.float32, 4)
     with pytest.raises(ValueError, match="does not fit the workspace"):
         ag_gemm(torch.randn(5, 8), b, workspace=ws)  # more rows than max_rows
