@@ -163,7 +163,7 @@ def main():
     global OUT_FILE
     OUT_FILE = os.path.join(args.out, "profile.txt")
     presets = {k: PRESETS[k] for k in args.presets.split(",")}
-    tilecomm.init(backend="cuda", heap_bytes=_heap_bytes(presets, torch.bfloat16))
+    tilecomm.init(backend="cuda", heap_bytes=_heap_bytes(presets, torch.bfloat16, 1))
     say(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     report = {}
     t0 = time.time()

@@ -9,7 +9,8 @@
 #   probe  tests/host_probe.py and tests/gemm_probe.py (diagnostics, one GPU) -> $OUT/*_probe.log
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only)      -> $OUT/tests.log
-#   bench  every tilecomm.bench op against NCCL (needs 2+ GPUs)             -> $OUT/bench_*.json
+#   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths (needs 2+ GPUs; BENCH_RUNS: a
+#          ";"-separated subset, e.g. "ag_gemm;dispatch --mode low_latency")  -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
@@ -54,14 +55,16 @@ if has tests; then
   for transport in ${TRANSPORTS:-nvlink nvshmem}; do
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout "${TEST_TIMEOUT:-400}" \
-      python3 -m pytest -q -x -p no:cacheprovider ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
-      tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py} 2>&1 | tee -a "$OUT/tests.log" | tail -15
+      python3 -m pytest -v -x -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
+      tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py} 2>&1 | tee -a "$OUT/tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -25
   done
 fi
 
 if has bench && [ "$NGPU" -ge 2 ]; then  # BENCH_RUNS: ";"-separated "op flags" (default: every op of the issue)
   IFS=';' read -ra runs <<< "${BENCH_RUNS:-all_to_all;all_to_all --symmetric;all_to_all --uneven;all_to_all --uneven --symmetric;\
-dispatch;dispatch --mode low_latency;ag_gemm;gemm_rs;all_gather;all_gather --symmetric;reduce_scatter;reduce_scatter --symmetric}"
+dispatch;dispatch --mode low_latency;ag_gemm;gemm_rs;all_gather;all_gather --symmetric;reduce_scatter;reduce_scatter --symmetric;\
+moe_layer}"
   for run in "${runs[@]}"; do
     name=$(echo "$run" | sed 's/ --/_/g; s/ /_/g')
     echo "== bench $run on $NGPU GPUs"
