@@ -314,3 +314,29 @@ def compiled_ep_layer_body(backend):
 
 def test_compiled_ep_layer_matches_eager(ranks):
     ranks(2).run(compiled_ep_layer_body, "tilecomm")
+
+
+def _heap_bytes_body(dtype):
+    """make_dispatcher takes exactly what dispatcher_heap_bytes says from this rank's heap (the example sizes
+    tilecomm.init by it: a gap would show first as a MemoryError on GPUs), and a shared one takes nothing."""
+    from tilecomm.moe.layer import dispatcher_heap_bytes, make_dispatcher
+
+    heap, world = tilecomm.current().heap, tilecomm.world_size()
+    cfg = MoEConfig(hidden=24, ffn_hidden=8, num_experts=6, topk=2, max_tokens_per_rank=40)
+    for kind in ("tilecomm", "fused", "nccl"):
+        before = heap.bytes_free()
+        d = make_dispatcher(cfg, kind, dtype=dtype)
+        taken = before - heap.bytes_free()
+        assert taken == dispatcher_heap_bytes(cfg, kind, world, dtype), (kind, taken)
+        assert (taken > 0) == (kind != "nccl")
+        shared = make_dispatcher(cfg, kind, share_with=d, dtype=dtype)
+        assert heap.bytes_free() == before - taken, f"{kind}: a dispatcher sharing buffers allocated"
+        assert getattr(shared, "dtype", dtype) == dtype
+        if hasattr(d, "free"):
+            d.free()
+        assert heap.bytes_free() == before
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dispatcher_heap_bytes_is_what_the_dispatcher_takes(ranks, world):
+    ranks(world).run(_heap_bytes_body, torch.bfloat16)
