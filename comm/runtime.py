@@ -72,6 +72,12 @@ def _choose_backend(requested: str) -> str:
     return requested
 
 
+def heap_bytes_for(symmetric_bytes: int, slack: int = 64 << 20) -> int:
+    """A heap (for init(heap_bytes=)) that leaves `symmetric_bytes` plus `slack` for the program's own symmetric
+    buffers beside the quarter the runtime keeps for its collectives (TILECOMM_WORKSPACE_BYTES), in whole 2 MiB."""
+    return -(-(symmetric_bytes + slack) * 4 // 3 // (2 << 20)) * (2 << 20)
+
+
 def init(backend: str = "auto", heap_bytes: Optional[int] = None, timeout_s: Optional[float] = None) -> Context:
     """Start the runtime (collective over all ranks) and return its context.
 

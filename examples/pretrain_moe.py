@@ -105,11 +105,10 @@ def dispatcher_kind(args, world: int) -> str:
 
 
 def heap_bytes(args, world: int, device_type: str) -> int:
-    """Symmetric heap per rank: the MoE layers' one set of dispatcher buffers, plus the quarter the runtime keeps
-    for its collectives (TILECOMM_WORKSPACE_BYTES), whole 2 MiB; at least TILECOMM_HEAP_BYTES (default 256 MiB)."""
+    """Symmetric heap per rank: room for the MoE layers' one set of dispatcher buffers beside the runtime's own
+    (tilecomm.heap_bytes_for); at least TILECOMM_HEAP_BYTES (default 256 MiB)."""
     need = dispatcher_heap_bytes(moe_config(args), dispatcher_kind(args, world), world, tokens_dtype(args, device_type))
-    default = int(os.environ.get("TILECOMM_HEAP_BYTES", 256 << 20))
-    return max(default, -(-(need + (64 << 20)) * 4 // 3 // (2 << 20)) * (2 << 20))
+    return max(int(os.environ.get("TILECOMM_HEAP_BYTES", 256 << 20)), tilecomm.heap_bytes_for(need))
 
 
 def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_group=None):

@@ -20,6 +20,7 @@ from .router import Router, RouterConfig, RouterOutput
 from .trainer import TrainConfig, Trainer
 
 __all__ = ["MarkovSource", "TokenFile", "GroupedSwiGLUExperts", "SharedExpert", "LocalDispatcher", "MoEConfig",
-           "MoELayer", "dispatcher_heap_bytes", "make_dispatcher", "shard_expert_state", "ModelConfig", "Transformer", "compile_blocks", "AdamW",
+           "MoELayer", "dispatcher_heap_bytes", "make_dispatcher", "shard_expert_state", "ModelConfig", "Transformer",
+           "compile_blocks", "AdamW",
            "cast_parameters", "PIPELINE_UNSUPPORTED", "ParallelLayout", "ProcessGroups", "param_roles", "parallelize",
            "Router", "RouterConfig", "RouterOutput", "TrainConfig", "Trainer"]

@@ -38,12 +38,11 @@ def _heap_bytes(presets: dict, dtype: torch.dtype, world: int) -> int:
     from tilecomm.dispatch.buffers import normal_specs, symmetric_bytes
     from tilecomm.overlap.moe_fused import fused_moe_specs
 
-    # one preset's buffers at a time (each row frees its own, also when it fails); the runtime gives a quarter of
-    # the heap to the collectives' workspace (TILECOMM_WORKSPACE_BYTES), so the layers get three quarters
+    # one preset's buffers at a time (each row frees its own, also when it fails)
     need = max(symmetric_bytes(normal_specs(world, p["experts"], p["tokens"], p["topk"], p["hidden"], dtype)) +
                symmetric_bytes(fused_moe_specs(world, p["experts"], p["tokens"], p["topk"], p["hidden"], dtype))
                for p in presets.values())
-    return -(-(need + (64 << 20)) * 4 // 3 // (2 << 20)) * (2 << 20)  # whole 2 MiB
+    return tilecomm.heap_bytes_for(need)
 
 
 def _step(layer, x, grad_out):
