@@ -198,6 +198,12 @@ class CachedLaunch:
         self.plain_ints = [not p.do_not_specialize for p in fn.params]
         self.kernels: dict = {}
 
+    def launch_keyed(self, grid, *args, **constexprs) -> None:
+        """`launch` with the key made from the tensors' dtypes and the constexprs' values (a call site passes
+        its constexprs in one order): for launch sites with no cheaper key of their own."""
+        key = (tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(constexprs.items()))
+        self.launch(grid, key, *args, **constexprs)
+
     def launch(self, grid, key, *args, **constexprs) -> None:
         first = args[0]
         if not (self.enabled and isinstance(first, torch.Tensor) and first.is_cuda):

@@ -50,11 +50,12 @@ from tilecomm.dispatch.buffers import Spec, SymmetricState
 from tilecomm.dispatch.dispatcher import Dispatcher
 from tilecomm.dispatch.normal import _BIG, _route_kernel
 from tilecomm.errors import PeerMismatchError
+from tilecomm.jit import CachedLaunch
 
 from .grouped import _wgrad
 from .moe_comm import _reduce_kernel, _send_kernel
 from .moe_gemm import _down_grad_kernel, _gate_up_kernel, _gather_kernel, _scatter_kernel
-from .team import _release_kernel, team_of
+from .team import _RELEASE, team_of
 from .tiles import GemmConfig, dot_precision, num_programs, prepare_tma, tma_operand
 
 _P2 = triton.next_power_of_2
@@ -105,15 +106,31 @@ class FusedMoEConfig:
     wgrad: Optional[GemmConfig] = None  # the weight gradients' grouped GEMM (None: grouped.py's default)
 
     @staticmethod
-    def for_device(device: torch.device, hidden: int, dtype: torch.dtype = torch.bfloat16) -> "FusedMoEConfig":
+    def for_device(device: torch.device, hidden: int, dtype: torch.dtype = torch.bfloat16,
+                   ffn_hidden: int = 0) -> "FusedMoEConfig":
+        """The launches for a layer: on GPUs, items that split the output columns where an expert's w_gate_up
+        (hidden x 2 ffn_hidden) is at least WIDE_EXPERT_BYTES (whole-row items would each stream all of it)."""
         if device.type == "cuda":
             if dtype in (torch.float32, torch.float64):  # IEEE FMA path: small tiles (shared memory, registers)
                 small = GemmConfig(64, 64, 32, 8, 4, 3, 1, False)
                 return FusedMoEConfig(*(FusedGemm(small),) * 3, wgrad=small)
+            if hidden * 2 * ffn_hidden * dtype.itemsize >= WIDE_EXPERT_BYTES:
+                return WIDE_LAYER
             return FusedMoEConfig()
         # the interpreter: few, large programs and small tiles
         tiny = GemmConfig(16, 32, 32, 1, 1, 1, 1, False)
         return FusedMoEConfig(*(FusedGemm(tiny),) * 3, block_h=min(256, _P2(hidden)))
+
+
+# Split-column items (one H200, tests/fused_moe_profile.py, BENCHMARKS.md): on the DeepSeek-V3-like layer (7168,
+# ffn 2048, 256 experts: 58.7 MB of w_gate_up per expert) gate_up 7978 -> 4534 µs, down_grad 5931 -> 2976,
+# scatter 9805 -> 8267 (both calls), the layer 37227 -> 30599 µs; whole-row items stay the default of the
+# pretraining layer (1536, ffn 768: 4.7 MB per expert; split items not measured there). In between: not measured.
+WIDE_EXPERT_BYTES = 16 << 20
+_SPLIT = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
+WIDE_LAYER = FusedMoEConfig(gate_up=FusedGemm(_SPLIT(64, 128, 8, 4), copy_cols=128, item_cols=128),
+                            down_grad=FusedGemm(_SPLIT(64, 128, 4, 3), 2, item_cols=128),
+                            scatter=FusedGemm(_SPLIT(128, 256, 8, 3), item_cols=256))
 
 
 def fused_moe_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:
@@ -177,7 +194,7 @@ class FusedMoEWorkspace:
         self.num_experts, self.hidden, self.ffn_hidden, self.max_tokens, self.topk = num_experts, hidden, ffn_hidden, \
             max_tokens_per_rank, topk
         self.num_local_experts = num_experts // W
-        self.cfg = config or FusedMoEConfig.for_device(dev, hidden, dtype)
+        self.cfg = config or FusedMoEConfig.for_device(dev, hidden, dtype, ffn_hidden)
         self.state = SymmetricState("FusedMoEWorkspace", fused_moe_specs(W, num_experts, max_tokens_per_rank, topk,
                                                                          hidden, dtype),
                                     zeroed=("words", "flags", "notify_sig", "consumed"))
@@ -196,6 +213,11 @@ class FusedMoEWorkspace:
         self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._event = torch.cuda.Event() if dev.type == "cuda" else None
         self._dummies: dict = {}
+        # the kernels' launchers: after a configuration's first launch, no Triton argument binding per call
+        # (~50-100 µs of host time each on these VMs; after the route's host sync the GPU waits for them)
+        self._route_k, self._send_k, self._gather_k, self._gate_up_k, self._down_grad_k, self._scatter_k, \
+            self._reduce_k = (CachedLaunch(k) for k in (_route_kernel, _send_kernel, _gather_kernel, _gate_up_kernel,
+                                                        _down_grad_kernel, _scatter_kernel, _reduce_kernel))
         self.seq = [0, 0, 0]  # route, staging channel, back channel: the same on every rank
 
     @staticmethod
@@ -229,7 +251,8 @@ class FusedMoEWorkspace:
         self.seq[0] += 1
         parity = self.seq[0] % 2
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=self.device)
-        _route_kernel[(max(1, triton.cdiv(topk.shape[0], self.bt)),)](
+        self._route_k.launch_keyed(
+            (max(1, triton.cdiv(topk.shape[0], self.bt)),),
             self._ptr(topk, topk.dtype), self._counts, self._totals, self._minmax, self._launches[0:1],
             self.state.notify[parity], self.state.notify_sig[parity], plan, self._info, topk.shape[0], self.seq[0], E,
             E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16, BLOCK_W=_P2(W),
@@ -251,7 +274,8 @@ class FusedMoEWorkspace:
         `slots`) or None (backward: slots are read)."""
         self.seq[1] += 1
         st, T, cfg = self.state, x.shape[0], self.cfg
-        _send_kernel[(max(1, triton.cdiv(T, self.bt)),)](
+        self._send_k.launch_keyed(
+            (max(1, triton.cdiv(T, self.bt)),),
             self._ptr(x, x.dtype), self._ptr(topk, topk.dtype), self._ptr(weights, torch.float32), self._counts,
             self._ptr(slots, torch.int32), st.stage, st.pair_w, st.words, st.consumed[0], T, self.seq[1],
             self.num_experts, self.num_local_experts, self.world_size, self.max_tokens, self.hidden,
@@ -262,7 +286,7 @@ class FusedMoEWorkspace:
     def _release_stage(self) -> None:
         """SET consumed[0][me] = seq everywhere: this rank has read the staged rows of the call."""
         team = self.team
-        _release_kernel[(1,)](self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
+        _RELEASE.launch_keyed((1,), self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
 
     def _rows_buffer(self, rows: int, cols: int) -> torch.Tensor:
         """[rows, cols] of the data type with a 16-byte aligned row stride (a TMA operand)."""
@@ -299,10 +323,10 @@ class FusedMoEWorkspace:
         st, f32 = self.state, torch.float32
         row_pair, row_src, row_w = records or (self._ptr(None, torch.int32),) * 2 + (self._ptr(None, f32),)
         grid, kw = self._gemm_args(launch, R)
-        _gather_kernel[grid](st.stage, st.words, st.pair_w, plan, offs, rows_buf, row_pair, row_src, row_w,
-                             self.seq[1], R, self.hidden, *self._shape_args(), rows_buf.stride(0),
-                             BLOCK_M=kw["BLOCK_M"], BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols,
-                             E_PAD=kw["E_PAD"], RECORD=records is not None, num_warps=4)
+        self._gather_k.launch_keyed(grid, st.stage, st.words, st.pair_w, plan, offs, rows_buf, row_pair, row_src,
+                                    row_w, self.seq[1], R, self.hidden, *self._shape_args(), rows_buf.stride(0),
+                                    BLOCK_M=kw["BLOCK_M"], BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols,
+                                    E_PAD=kw["E_PAD"], RECORD=records is not None, num_warps=4)
 
     @staticmethod
     def _item_cols(launch: FusedGemm, N: int) -> int:
@@ -318,7 +342,8 @@ class FusedMoEWorkspace:
         launch, N = self.cfg.scatter, self.hidden
         item_n = self._item_cols(launch, N)
         grid, kw = self._gemm_args(launch, R, triton.cdiv(N, item_n))
-        _scatter_kernel[grid](
+        self._scatter_k.launch_keyed(
+            grid,
             a_t, w_t, offs, self._ptr(row_pair, torch.int32), self._ptr(row_src, torch.int32),
             self._ptr(vals, torch.float32), st.back, st.back_w, st.flags, st.consumed[1], self._row_tiles_done,
             self.seq[2], R, a.shape[1], N, item_n, self.num_local_experts, self.world_size, a_t.stride(0),
@@ -331,7 +356,8 @@ class FusedMoEWorkspace:
         st, K = self.state, self.topk
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=self.device)
         values = torch.empty((T, K), dtype=torch.float32, device=self.device) if with_values else None
-        _reduce_kernel[(max(1, triton.cdiv(T, self.bt)),)](
+        self._reduce_k.launch_keyed(
+            (max(1, triton.cdiv(T, self.bt)),),
             st.back, st.back_w, st.flags, self._ptr(topk, topk.dtype), self._ptr(coef, torch.float32),
             self._ptr(out, self.dtype), self._ptr(values, torch.float32), st.consumed[1], self._launches[1:2], T,
             self.seq[2], self.num_experts, self.world_size, self.hidden, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K),
@@ -365,7 +391,8 @@ class FusedMoEWorkspace:
         if not gather:
             self._gather(launch, R, plan, offs, x_rows, (row_pair, row_src, row_w))
         grid, kw = self._gemm_args(launch, R, triton.cdiv(F, item_n))
-        _gate_up_kernel[grid](
+        self._gate_up_k.launch_keyed(
+            grid,
             st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R,
             H, F, item_n, *self._shape_args(), x_rows.stride(0), w_gu.stride(0), w_gu.stride(1), up,
             GROUP_M=launch.tiles.GROUP_M, GATHER=gather, BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols, **kw)
@@ -399,7 +426,8 @@ class FusedMoEWorkspace:
             self._gather(launch, R, s.plan, s.offs, g_rows, None)
         gw_parts = torch.empty((parts, rows), dtype=torch.promote_types(self.dtype, torch.float32), device=dev)
         grid, kw = self._gemm_args(launch, R, parts)
-        _down_grad_kernel[grid](
+        self._down_grad_k.launch_keyed(
+            grid,
             st.stage, st.words, w_dn, s.plan, s.offs, self._ptr(s.row_w, torch.float32), self._ptr(s.h, self.dtype),
             dh, g_rows, act_w, gw_parts, self.seq[1], R, H, F, item_n, *self._shape_args(), g_rows.stride(0),
             w_dn.stride(0), w_dn.stride(1), rows, GROUP_M=launch.tiles.GROUP_M, GATHER=parts == 1,

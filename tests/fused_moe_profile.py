@@ -26,7 +26,7 @@ from tilecomm.bench import measure
 from tilecomm.bench.moe_layer import PRESETS, _heap_bytes, _step
 from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
 from tilecomm.overlap import FusedMoEWorkspace
-from tilecomm.overlap.moe_fused import FusedGemm, FusedMoEConfig
+from tilecomm.overlap.moe_fused import WIDE_LAYER, FusedGemm, FusedMoEConfig
 from tilecomm.overlap.tiles import GemmConfig
 
 LOG = []
@@ -103,18 +103,15 @@ def profile_path(name, kind, layer, x, grad_out, steps, iters, reference=None):
     return dict(us=us, gpu_us=gpu, syncs=n_sync, kernels=table, max_rel_diff=diff)
 
 
-_DEFAULT = FusedMoEConfig()
 _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
-_SCATTER_SPLIT = FusedGemm(_G(128, 256, 8, 3), item_cols=256)
-_GATE_UP_SPLIT = FusedGemm(_G(64, 128, 8, 4), copy_cols=128, item_cols=128)
-_DOWN_GRAD_SPLIT = FusedGemm(_G(64, 128, 4, 3), 2, item_cols=128)
-VARIANTS = {  # the default, then changes to try (their kernels build for sm_90 in tests/gpu_compile.py)
-    "default": _DEFAULT,
-    "scatter items of 256 cols": replace(_DEFAULT, scatter=_SCATTER_SPLIT),
-    "gate_up items of 128 cols": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT),
-    "all three split": replace(_DEFAULT, gate_up=_GATE_UP_SPLIT, down_grad=_DOWN_GRAD_SPLIT, scatter=_SCATTER_SPLIT),
-    "all split, 128-row gate_up": replace(_DEFAULT, gate_up=FusedGemm(_G(128, 128, 8, 3), item_cols=128),
-                                          down_grad=_DOWN_GRAD_SPLIT, scatter=_SCATTER_SPLIT),
+VARIANTS = {  # None: the workspace's own choice (FusedMoEConfig.for_device); then changes to try (their kernels
+    # build for sm_90 in tests/gpu_compile.py)
+    "default": None,
+    "whole-row items": FusedMoEConfig(),
+    "split-column items": WIDE_LAYER,
+    "split, 128-row gate_up": replace(WIDE_LAYER, gate_up=FusedGemm(_G(128, 128, 8, 3), item_cols=128)),
+    "split, gate_up 2 per SM 4 warps": replace(WIDE_LAYER, gate_up=FusedGemm(_G(64, 128, 4, 3), 2, copy_cols=128,
+                                                                          item_cols=128)),
 }
 
 
@@ -134,7 +131,9 @@ def run_preset(name, p, args, report):
             rows["tilecomm"] = profile_path(name, "tilecomm", layer, x, grad_out, args.steps, args.iters)
     finally:
         d.free()
-    variants = VARIANTS if name in args.variants.split(",") else {"default": _DEFAULT}
+    wanted = args.variants.split(",")
+    variants = {k: VARIANTS[k] for k in (args.only.split(";") if args.only else VARIANTS)} if name in wanted else \
+        {"default": None}
     for vname, cfg in variants.items():
         ws = None
         try:
@@ -155,6 +154,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="pretrain,deepseek_v3")
     ap.add_argument("--variants", default="", help="comma-separated layers that also run the fused config variants")
+    ap.add_argument("--only", default="", help="\";\"-separated variant names (default: all of VARIANTS)")
     ap.add_argument("--fused-only", action="store_true", help="skip the unfused path")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)

@@ -14,7 +14,8 @@
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
-#          unfused path and timed beside it (MOE_VARIANTS: layers that run them)  -> $OUT/profile.{txt,json}
+#          unfused path and timed beside it (MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
+#          variant names)  -> $OUT/profile.{txt,json}
 set -uo pipefail
 PHASES="${*:-gemm tests bench train}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
@@ -41,7 +42,7 @@ if has moe; then
 fi
 
 if has moeprofile; then
-  timeout "${MOE_PROFILE_TIMEOUT:-420}" python3 tests/fused_moe_profile.py --variants "${MOE_VARIANTS:-pretrain,deepseek_v3}" \
+  timeout "${MOE_PROFILE_TIMEOUT:-420}" python3 tests/fused_moe_profile.py --variants "${MOE_VARIANTS:-pretrain,deepseek_v3}" --only "${MOE_ONLY:-}" \
     --steps 2 --iters 8 --out "$OUT" 2>&1 | sed -u "s/.*named symbol not found//" | grep -v "µs .*x  " | grep -v "^\s*$"
 fi
 

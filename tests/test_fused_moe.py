@@ -157,3 +157,19 @@ def test_fused_gemm_item_cols_checked():
         with pytest.raises(ValueError, match="item_cols"):
             FusedGemm(tiles, item_cols=bad)
     assert FusedGemm(tiles, item_cols=256).item_cols == 256
+
+
+def test_wide_layers_get_split_column_items():
+    """On GPUs, an expert whose w_gate_up is at least WIDE_EXPERT_BYTES gets items that split the columns (the
+    DeepSeek-V3-like layer), a narrow one whole-row items (the pretraining layer); fp32 and CPU ranks keep their own."""
+    from tilecomm.overlap.moe_fused import WIDE_EXPERT_BYTES, WIDE_LAYER
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert FusedMoEConfig.for_device(gpu, 7168, torch.bfloat16, 2048) == WIDE_LAYER
+    assert FusedMoEConfig.for_device(gpu, 1536, torch.bfloat16, 768) == FusedMoEConfig()
+    edge = WIDE_EXPERT_BYTES // (2 * 2 * 1024)  # hidden 1024: ffn at the threshold, and one below it
+    assert FusedMoEConfig.for_device(gpu, 1024, torch.bfloat16, edge) == WIDE_LAYER
+    assert FusedMoEConfig.for_device(gpu, 1024, torch.bfloat16, edge - 1) == FusedMoEConfig()
+    assert all(g.item_cols > 0 for g in (WIDE_LAYER.gate_up, WIDE_LAYER.down_grad, WIDE_LAYER.scatter))
+    assert FusedMoEConfig.for_device(gpu, 7168, torch.float32, 2048).gate_up.tiles.BLOCK_N == 64
+    assert FusedMoEConfig.for_device(cpu, 7168, torch.bfloat16, 2048).gate_up.item_cols == 0
