@@ -68,13 +68,34 @@ _install_bf16_dot_fix()
 
 
 _INTERPRETED_HELPERS: dict = {}
+# Triton's interpreter patches triton.language for a device function's module on every call of it
+# (InterpretedFunction.__call__: inspect.getmembers over the language modules, ~1.5 ms a call), and nothing
+# undoes those patches before the launch ends. So a helper whose language modules (tl, tl.core) are patched in
+# this launch already runs its rewritten body directly. On CPU ranks the repeated patching was a third of an
+# interpreted kernel's time (cProfile of the dispatch soak's loop, 2026-11-25).
+_LANGS_PATCHED: set = set()  # ids of the language modules patched in the current interpreted launch
+_LANGS_OF: dict = {}  # function -> ids of the language modules in its globals
+
+
+def _langs(fn) -> frozenset:
+    got = _LANGS_OF.get(fn)
+    if got is None:
+        got = _LANGS_OF[fn] = frozenset(id(v) for v in list(fn.__globals__.values()) if v is tl or v is tl.core)
+    return got
 
 
 def _call_interpreted(self: JITFunction, *args, **kwargs):
     fn = _INTERPRETED_HELPERS.get(self.fn)
     if fn is None:
         fn = _INTERPRETED_HELPERS[self.fn] = InterpretedFunction(self.fn)
-    return fn(*args, **kwargs)
+    langs = _langs(self.fn)
+    if not langs <= _LANGS_PATCHED:
+        _LANGS_PATCHED.update(langs)
+        return fn(*args, **kwargs)
+    try:
+        return fn.rewrite()(*args, **kwargs)
+    except Exception as e:  # as InterpretedFunction.__call__ reports it
+        raise InterpreterError(repr(e)) from e
 
 
 class _PlainJitCallsInterpreted:
@@ -82,7 +103,12 @@ class _PlainJitCallsInterpreted:
     `tl.zeros`, `tl.sum`, `tl.cdiv`... or a user's helper) runs interpreted too, as it would
     under TRITON_INTERPRET=1. Outside, JITFunction.__call__ keeps raising as usual."""
 
+    def __init__(self, kernel_fn):
+        self.kernel_fn = kernel_fn  # the launch patches its language modules (Triton's GridExecutor)
+
     def __enter__(self):
+        _LANGS_PATCHED.clear()
+        _LANGS_PATCHED.update(_langs(self.kernel_fn))
         self.saved = JITFunction.__call__
         JITFunction.__call__ = _call_interpreted
 
@@ -131,7 +157,7 @@ class TileKernel(JITFunction):
             if warmup:
                 return None
             try:
-                with _PlainJitCallsInterpreted():
+                with _PlainJitCallsInterpreted(self.fn):
                     return self._interpreter().run(*args, grid=grid, warmup=False, **kwargs)
             except InterpreterError as err:
                 unwrapped = _unwrap_interpreter_error(err)

@@ -13,6 +13,7 @@
 #          ";"-separated subset, e.g. "ag_gemm;dispatch --mode low_latency")  -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
+#   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
 #          variant names)  -> $OUT/profile.{txt,json}
@@ -34,6 +35,14 @@ if has probe; then  # diagnostics, not benchmarks: host time per stage, the slow
   timeout "${PROBE_TIMEOUT:-150}" python3 tests/host_probe.py 2>&1 | sed -u "s/.*named symbol not found//" | tee "$OUT/host_probe.log"
   timeout "${GEMM_PROBE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/gemm_probe.log" | tail -40
+fi
+
+if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, source, target) signal, both transports
+  for transport in ${TRANSPORTS:-nvlink nvshmem}; do
+    echo "== signal probe, transport $transport"
+    TILECOMM_TRANSPORT=$transport timeout "${SIGNAL_TIMEOUT:-90}" torchrun --standalone --nproc-per-node "$NGPU" \
+      tests/signal_probe.py 2>&1 | tee -a "$OUT/signal_probe.log" | grep -E "rank|Error|error" | grep -v "named symbol\|^W1"
+  done
 fi
 
 if has moe; then

@@ -312,7 +312,8 @@ def test_no_host_sync_and_cuda_graph_replay(ranks, world):
 
 
 def compiled_matches_eager():
-    """torch.compile(fullgraph=True) of a function calling the three collectives with fixed splits gives
+    """torch.compile(fullgraph=True) of a function calling the three collectives with fixed splits (and a
+    reduce-scatter with op=MAX: a ReduceOp argument traced by Dynamo, which torch 2.11's could not hash) gives
     the eager result, forward and backward (aot_eager on CPU ranks: no C++ toolchain needed)."""
     rank, world = tilecomm.rank(), tilecomm.world_size()
     splits = [2 + p for p in range(world)]  # uneven, the same on every rank: all_to_all with fixed splits
@@ -325,7 +326,9 @@ def compiled_matches_eager():
         tilecomm.all_gather_into_tensor(g, y)
         r = torch.empty(y.numel() // world, device=y.device)
         tilecomm.reduce_scatter_tensor(r, g[: y.numel()] + 1)
-        return a.sum() * 3 + (g * g).sum() + r.sum(), a, g, r
+        m = torch.empty(y.numel() // world, device=y.device)  # an op other than the default (no autograd: MAX)
+        tilecomm.reduce_scatter_tensor(m, g[: y.numel()].detach() * (rank + 1), op=tilecomm.ReduceOp.MAX)
+        return a.sum() * 3 + (g * g).sum() + r.sum(), a, g, r, m
 
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(sum(splits), 3, generator=gen).to(dev()).requires_grad_()

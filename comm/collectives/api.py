@@ -10,10 +10,27 @@ from torch.distributed import ReduceOp
 
 from .. import runtime
 from ..errors import require
+from .ops import _AVG, _SUM
 
-_REDUCE_OPS = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3}  # kernel OP
-_OP_CODES = {ReduceOp.SUM: 0, ReduceOp.MAX: 1, ReduceOp.MIN: 2, ReduceOp.PRODUCT: 3, ReduceOp.AVG: 4}  # custom op
-_REDUCE_OP_OF_CODE = {code: op for op, code in _OP_CODES.items()}
+# A ReduceOp travels as its code (the custom op's argument, ops.py); the reduce kernel's OP of each code
+_OPS = ((ReduceOp.SUM, 0), (ReduceOp.MAX, 1), (ReduceOp.MIN, 2), (ReduceOp.PRODUCT, 3), (ReduceOp.AVG, 4))
+_OP_CODES = dict(_OPS)
+_KERNEL_OP = (0, 1, 2, 3, 0)  # AVG: a sum, then divided by the world size
+
+
+def _op_code(what: str, op) -> int:
+    """The code of a ReduceOp; ValueError for anything else. While torch.compile traces, by identity: Dynamo
+    (torch 2.11) cannot hash a ReduceOp, and ReduceOp.SUM etc. are singletons."""
+    code = None
+    if torch.compiler.is_compiling():
+        for known, c in _OPS:
+            if op is known:
+                code = c
+    else:
+        code = _OP_CODES.get(op)
+    if code is None:
+        raise ValueError(f"{what}: op={op}; expected ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
+    return code
 
 
 def _compiling(what: str, async_op: bool) -> bool:
@@ -168,11 +185,11 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
     runtime.current().collectives.exchange(src, out, None, None, src.numel(), gather=True)
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op) -> None:
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, code: int) -> None:
     src, out = input, output
     if src.is_complex():  # a complex sum is the sum of its real and imaginary parts
         src, out = torch.view_as_real(src).reshape(-1), torch.view_as_real(out).reshape(-1)
-    runtime.current().collectives.reduce_scatter(src, out, _REDUCE_OPS[op], average=op == ReduceOp.AVG)
+    runtime.current().collectives.reduce_scatter(src, out, _KERNEL_OP[code], average=code == _AVG)
 
 
 class _AllGather(torch.autograd.Function):
@@ -192,7 +209,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(fn_ctx, input, out_shape):
         output = input.new_empty(out_shape)
-        _reduce_scatter(output, input.contiguous(), ReduceOp.SUM)
+        _reduce_scatter(output, input.contiguous(), _SUM)
         fn_ctx.in_shape = tuple(input.shape)
         return output
 
@@ -225,24 +242,23 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     op: SUM, AVG, MAX, MIN or PRODUCT; floating inputs accumulate in fp32 (fp64 stays fp64)."""
     what = "tilecomm.reduce_scatter_tensor"
     ctx = _check_call(what, group, "output", output, "input", input)
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"{what}: op={op}; expected ReduceOp.SUM, AVG, MAX, MIN or PRODUCT")
+    code = _op_code(what, op)
     if output.dtype in (torch.bool, torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"{what}: dtype {output.dtype} cannot be reduced; use a floating or integer dtype")
-    if op == ReduceOp.AVG and not (output.dtype.is_floating_point or output.dtype.is_complex):
+    if code == _AVG and not (output.dtype.is_floating_point or output.dtype.is_complex):
         raise TypeError(f"{what}: op=AVG needs a floating dtype (got {output.dtype}): an integer average would round; use SUM and divide")
-    if output.is_complex() and op not in (ReduceOp.SUM, ReduceOp.AVG):
+    if output.is_complex() and code not in (_SUM, _AVG):
         raise TypeError(f"{what}: complex tensors reduce with SUM or AVG only (got {op})")
     if input.numel() != ctx.world_size * output.numel():
         raise ValueError(f"{what}: input has {input.numel()} elements; expected world_size ({ctx.world_size}) × "
                          f"output's {output.numel()}")
     if _compiling(what, async_op):
-        output.copy_(torch.ops.tilecomm.reduce_scatter_tensor(input, _OP_CODES[op], output.numel()).view(output.shape))
+        output.copy_(torch.ops.tilecomm.reduce_scatter_tensor(input, code, output.numel()).view(output.shape))
         return None
     if input.requires_grad and torch.is_grad_enabled():
-        if op != ReduceOp.SUM:
+        if code != _SUM:
             raise ValueError(f"{what}: autograd is defined for op=SUM only, got {op}")
         output.copy_(_ReduceScatter.apply(input, tuple(output.shape)))
     else:
-        _reduce_scatter(output, input, op)
+        _reduce_scatter(output, input, code)
     return Work(output) if async_op else None

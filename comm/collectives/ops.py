@@ -2,7 +2,7 @@
 
     torch.ops.tilecomm.all_to_all_single(input, output_split_sizes, input_split_sizes, out_rows) -> Tensor
     torch.ops.tilecomm.all_gather_into_tensor(input, out_numel) -> Tensor      (flat)
-    torch.ops.tilecomm.reduce_scatter_tensor(input, op, out_numel) -> Tensor    (flat; op: api._REDUCE_OPS code)
+    torch.ops.tilecomm.reduce_scatter_tensor(input, op, out_numel) -> Tensor    (flat; op: api._OPS code)
 
 Functional forms (they return a new tensor): the public in-place API (api.py) calls them while
 `torch.compiler.is_compiling()` and copies the result into the caller's output, so a compiled graph holds
@@ -17,7 +17,7 @@ from typing import List
 
 import torch
 
-_SUM, _AVG = 0, 4  # op codes of the custom op (api.py maps ReduceOp to these)
+_SUM, _AVG = 0, 4  # op codes of the custom op (api._OPS maps every ReduceOp to its code)
 
 
 @torch.library.custom_op("tilecomm::all_to_all_single", mutates_args=())
@@ -78,7 +78,7 @@ def reduce_scatter_tensor(input: torch.Tensor, op: int, out_numel: int) -> torch
     from . import api
 
     output = input.new_empty(out_numel)
-    api._reduce_scatter(output, input.contiguous(), api._REDUCE_OP_OF_CODE[op])
+    api._reduce_scatter(output, input.contiguous(), op)
     return output
 
 
