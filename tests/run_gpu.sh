@@ -8,7 +8,8 @@
 #          torch._grouped_mm, after a config sweep (one GPU; GEMM_ARGS adds flags) -> $OUT/gemm.json
 #   probe  tests/host_probe.py and tests/gemm_probe.py (diagnostics, one GPU) -> $OUT/*_probe.log
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
-#          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE)  -> $OUT/tests.log
+#          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE); TEST_STOP="" runs on
+#          past a failure (default -x), TEST_FILES picks files  -> $OUT/tests.log
 #   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths (needs 2+ GPUs; BENCH_RUNS: a
 #          ";"-separated subset, e.g. "ag_gemm;dispatch --mode low_latency")  -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
@@ -67,7 +68,7 @@ if has tests; then
   for transport in ${TRANSPORTS:-nvlink nvshmem}; do
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout "${TEST_TIMEOUT:-400}" \
-      python3 -m pytest -v -x -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
+      python3 -m pytest -v ${TEST_STOP--x} -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
       tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py} 2>&1 | tee -a "$OUT/tests.log" \
       | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -25
   done
