@@ -59,6 +59,7 @@ CASES = [
     (lang._put_ring_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "sig_ptr": I64P, "n": "i32", "epoch": I64}, {}),
     (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
     (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),
+    (lang._add_kernel, {"sig_ptr": I64P, "root": "i32"}, {}),
     (lang._wait_cmp_kernel, {"sig_ptr": I64P, "value": I64, "out_ptr": I64P, "CMP": "constexpr"}, {"CMP": 5}),
     (dl._layout_kernel, {"topk_ptr": I64P, "in_rank_ptr": "*i8", "send_slot_ptr": I64P, "per_rank_ptr": I64P,
                          "per_expert_ptr": I64P, "T": "i32", "K": "i32", "E_LOCAL": "i32", "W": "i32",
@@ -124,6 +125,8 @@ def main() -> None:
             "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
             "state_addr_inlined": str(0x7F0000001000) in ptx, "wgmma": "wgmma" in ptx,
             "local_memory": ".local" in ptx, "shared_bytes": kernel.metadata.shared, **_resources(kernel.asm["cubin"]),
+            # one thread of the program issues a one-word signal (nvshmemx_signal_op is thread-level)
+            "thread0_guard": re.search(r"mov\.u32\s+(%r\d+), %tid\.x;[\s\S]{0,600}?setp\.ne\.b32\s+%p\d+, \1, 0;", ptx) is not None,
             "tma": "cp.async.bulk.tensor" in ptx, "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
         }))
 

@@ -57,3 +57,5 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
 def test_kernels_compile_for_sm90_nvshmem_transport(compiled):
     rows = compiled["nvshmem"]
     assert rows["_exchange._pairs_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]
+    # a one-word signal is issued by one thread (each thread's SIGNAL_ADD added num_warps * 32 times on 2 H200s)
+    assert rows["test_language._add_kernel"]["nvshmem_calls"] and rows["test_language._add_kernel"]["thread0_guard"]

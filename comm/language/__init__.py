@@ -12,6 +12,8 @@ All operations act for the whole program (one Triton program = one CUDA block):
     get(dst, src, nelems, pe)       copy nelems elements from symmetric src on pe to local dst
     signal(sig, value, pe, op)      op SIGNAL_SET or SIGNAL_ADD on pe's signal word; release: this
                                     program's earlier puts/stores to pe land before the signal does
+                                    (once per program; a block of words: SIGNAL_SET only under
+                                    TILECOMM_TRANSPORT=nvshmem, a compile error otherwise)
     wait(sig, value, cmp)           acquire-spin until the local word(s) at sig compare cmp to value;
                                     returns the word (a token). Past TILECOMM_TIMEOUT_S it gives up:
                                     on CPU it raises WaitTimeoutError, on GPU it records the error
