@@ -62,12 +62,13 @@ if has gemm; then
 fi
 
 if has tests; then
+  # SIGINT at TEST_TIMEOUT: pytest stops and still prints the tracebacks of the failures so far
   # one GPU: ranks share it (2-4 ranks); more GPUs: one rank per GPU, cases with more ranks skipped (on 2 H100s,
   # 3 ranks sharing 2 GPUs stalled in the first such test, 2026-11-25); TEST_SHARE=1 shares anyway
   share=${TEST_SHARE:-$([ "$NGPU" -eq 1 ] && echo 1 || echo 0)}
   for transport in ${TRANSPORTS:-nvlink nvshmem}; do
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
-    TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout "${TEST_TIMEOUT:-400}" \
+    TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout -s INT -k 30 "${TEST_TIMEOUT:-400}" \
       python3 -m pytest -v ${TEST_STOP--x} -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
       tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py} 2>&1 | tee -a "$OUT/tests.log" \
       | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -25
