@@ -305,17 +305,18 @@ def _thread_index():
 
 @triton.jit
 def _signal_nvshmem(sig, value, pe, op: tl.constexpr):
-    """nvshmemx_signal_op is a thread-level call: every thread that runs it performs the operation. One word:
-    every thread fences its own puts, then one thread signals (an ADD by each of the program's threads added
-    the value num_warps * 32 times: found on 2 H200s, tests/signal_probe.py). Words of a block: elementwise,
-    which Triton may replicate over threads, so only SET (idempotent)."""
+    """nvshmemx_signal_op is a thread-level call: every thread that runs it performs the operation. Every
+    thread fences its own puts and meets the others at a barrier; then, for one word, one thread signals (an
+    ADD by each of the program's threads added the value num_warps * 32 times: found on 2 H200s,
+    tests/signal_probe.py). Words of a block: elementwise, which Triton may replicate over threads, so
+    only SET (idempotent)."""
     _nvshmem_fence()
+    tl.debug_barrier()  # every thread's fence before any thread's signal
     if sig.type.is_block():
         tl.static_assert(op == 9, "tcl.signal with a block of words under the nvshmem transport: SIGNAL_SET only "
                                   "(signal each word on its own for SIGNAL_ADD)")
         _nvshmem_signal_op(sig.to(tl.int64), tl.cast(value, tl.int64), op, tl.cast(pe, tl.int32))
     else:
-        tl.debug_barrier()
         if _thread_index() == 0:
             _nvshmem_signal_op(sig.to(tl.int64), tl.cast(value, tl.int64), op, tl.cast(pe, tl.int32))
 
