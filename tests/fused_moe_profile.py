@@ -31,6 +31,7 @@ from tilecomm.overlap.tiles import GemmConfig
 
 LOG = []
 OUT_FILE = None
+GAPS = False  # --gaps: also idle_gaps() of every path
 
 
 def say(line: str = "") -> None:
@@ -58,6 +59,45 @@ def kernels(fn, steps: int):
             row[0] += 1 / steps
             row[1] += e.device_time_total / steps
     return dict(table), sum(v[1] for v in table.values())
+
+
+def idle_gaps(fn, label: str, top: int = 6):
+    """Where the GPU waits during one call (the second of two profiled back to back): its longest gaps between
+    kernels, each with the kernels on either side and the host calls that overlap it most (torch.profiler, CPU
+    and CUDA activities; the trace goes to OUT/trace_<label>.json)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+    if OUT_FILE:
+        prof.export_chrome_trace(os.path.join(os.path.dirname(OUT_FILE), f"trace_{label}.json"))
+    events = prof.events()
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    half = gpu[len(gpu) // 2:]  # the second call's kernels, about
+    found = []
+    for a, b in zip(half, half[1:]):
+        gap = b.time_range.start - a.time_range.end
+        if gap > 0:
+            found.append((gap, a, b))
+    found.sort(key=lambda g: -g[0])
+    total = sum(g for g, _, _ in found)
+    say(f"  GPU idle in the second call: {total:.0f} µs over {len(found)} gaps; the longest:")
+    for gap, a, b in found[:top]:
+        lo, hi = a.time_range.end, b.time_range.start
+        overlap = collections.Counter()
+        for e in cpu:
+            o = min(hi, e.time_range.end) - max(lo, e.time_range.start)
+            if o > 0:
+                overlap[e.name[:48]] += o
+        busy = ", ".join(f"{n} {o:.0f}" for n, o in overlap.most_common(4))
+        say(f"    {gap:8.1f} µs after {a.name[:36]} before {b.name[:36]} | host: {busy}")
+    return total
 
 
 def syncs(fn) -> int:
@@ -100,7 +140,8 @@ def profile_path(name, kind, layer, x, grad_out, steps, iters, reference=None):
         f"{sum(v[0] for v in table.values()):.0f} kernels, {n_sync} host syncs")
     for k, (count, t) in sorted(table.items(), key=lambda kv: -kv[1][1]):
         say(f"  {t:9.1f} µs {count:5.1f}x  {k}")
-    return dict(us=us, gpu_us=gpu, syncs=n_sync, kernels=table, max_rel_diff=diff)
+    idle = idle_gaps(step, f"{name}_{kind}".replace(":", "_").replace(" ", "_").replace(",", "")) if GAPS else None
+    return dict(us=us, gpu_us=gpu, syncs=n_sync, kernels=table, max_rel_diff=diff, idle_us=idle)
 
 
 _G = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
@@ -156,12 +197,14 @@ def main():
     ap.add_argument("--variants", default="", help="comma-separated layers that also run the fused config variants")
     ap.add_argument("--only", default="", help="\";\"-separated variant names (default: all of VARIANTS)")
     ap.add_argument("--fused-only", action="store_true", help="skip the unfused path")
+    ap.add_argument("--gaps", action="store_true", help="where the GPU waits in one call (host calls, trace)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
-    global OUT_FILE
+    global OUT_FILE, GAPS
     OUT_FILE = os.path.join(args.out, "profile.txt")
+    GAPS = args.gaps
     presets = {k: PRESETS[k] for k in args.presets.split(",")}
     tilecomm.init(backend="cuda", heap_bytes=_heap_bytes(presets, torch.bfloat16, 1))
     say(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
