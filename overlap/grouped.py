@@ -40,7 +40,10 @@ _ROWS_TABLE = {**_TABLE, "large": GemmConfig(128, 256, 64, 16, 8, 3, 2, False)}
 # What `python -m tilecomm.bench.gemm --sweep-grouped ...` times (the data behind _WGRAD and the rows' configs).
 WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 1, False), (128, 256, 64, 4, 8, 3, 1, False),
-    (128, 256, 64, 8, 8, 2, 1, False)]]
+    (128, 256, 64, 8, 8, 2, 1, False)]] + [
+    # few rows per expert: the gradient's stores bound the kernel (2 TB/s of TMA stores on an H200, BENCHMARKS.md);
+    # fire-and-forget pointer stores let the next item's loads start without waiting for them (not measured yet)
+    GemmConfig(128, 256, 64, 8, 8, 3, 1, False, POINTER_STORES=True)]
 ROWS_CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 4, 2, False, True, 1), (128, 128, 64, 8, 8, 4, 2, False, True, 1),
     (128, 128, 64, 8, 4, 3, 2, False, True, 2), (256, 128, 64, 8, 8, 3, 2, False, True, 1)]]
@@ -269,8 +272,9 @@ def _wgrad(x, dy, offs, E: int, config, flat: bool | None = None) -> torch.Tenso
     cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
     tiles = E * triton.cdiv(K, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
     extra = {"E_PAD": triton.next_power_of_2(E + 1)} if flat else {}
+    aligned = dw.stride(1) * dw.element_size() % 16 == 0
     launch_gemm(_WGRAD_FLAT if flat else _WGRAD_LAUNCH, tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0),
-                dy_t.stride(0), dw.stride(0), dw.stride(1), C_TMA=dw.stride(1) * dw.element_size() % 16 == 0,
+                dy_t.stride(0), dw.stride(0), dw.stride(1), C_TMA=aligned and not cfg.POINTER_STORES,
                 PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **extra)
     return dw
 

@@ -45,14 +45,15 @@ class GemmConfig:
     WARP_SPECIALIZE: bool = False
     FLATTEN: bool = True  # kernels that declare it: tile loop and K loop fused into one pipelined loop
     PROGRAMS_PER_SM: int = 1  # persistent programs per SM (more than 1: one's epilogue overlaps another's loads)
+    POINTER_STORES: bool = False  # kernels that store C by TMA where it is aligned: masked pointer stores instead
 
     def launch(self) -> dict:
         """Keyword arguments of a kernel launch (a fresh dict; dataclasses.asdict, ~10 µs, runs once per config)."""
         return dict(_launch_kwargs(self))
 
 
-# GemmConfig fields that are launch facts, not kernel constexprs or launch options
-_GRID_FIELDS = ("PROGRAMS_PER_SM",)
+# GemmConfig fields read on the host (the grid, the store path), not kernel constexprs or launch options
+_GRID_FIELDS = ("PROGRAMS_PER_SM", "POINTER_STORES")
 
 
 @functools.lru_cache(maxsize=None)

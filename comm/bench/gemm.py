@@ -157,7 +157,8 @@ def bench_grouped(dt, config) -> list:
 
 def _cfg_name(cfg) -> str:
     return (f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} g{cfg.GROUP_M} w{cfg.num_warps} s{cfg.num_stages} "
-            f"e{cfg.EPILOGUE_SPLIT} ws{int(cfg.WARP_SPECIALIZE)} f{int(cfg.FLATTEN)} p{cfg.PROGRAMS_PER_SM}")
+            f"e{cfg.EPILOGUE_SPLIT} ws{int(cfg.WARP_SPECIALIZE)} f{int(cfg.FLATTEN)} p{cfg.PROGRAMS_PER_SM}"
+            f"{' ptr' if cfg.POINTER_STORES else ''}")
 
 
 def sweep_grouped(dt, products: list, old_module: str | None = None) -> list:
