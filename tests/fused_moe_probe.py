@@ -37,7 +37,7 @@ import tilecomm
 from tilecomm.dispatch import Dispatcher
 from tilecomm.overlap import FusedMoEWorkspace, fused_moe_reference
 from tilecomm.overlap import moe_fused
-from tilecomm.overlap.moe_fused import FusedGemm, FusedMoEConfig
+from tilecomm.overlap.moe_config import FusedGemm, FusedMoEConfig
 from tilecomm.overlap.tiles import GemmConfig
 
 SUMMARY = []

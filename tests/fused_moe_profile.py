@@ -26,7 +26,7 @@ from tilecomm.bench import measure
 from tilecomm.bench.moe_layer import PRESETS, _heap_bytes, _step
 from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
 from tilecomm.overlap import FusedMoEWorkspace
-from tilecomm.overlap.moe_fused import WIDE_LAYER, FusedGemm, FusedMoEConfig
+from tilecomm.overlap.moe_config import WIDE_LAYER, FusedGemm, FusedMoEConfig
 from tilecomm.overlap.tiles import GemmConfig
 
 LOG = []

@@ -12,7 +12,7 @@ import tilecomm
 from tilecomm.dispatch import Dispatcher
 from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
 from tilecomm.overlap import FusedMoEWorkspace, fused_moe, fused_moe_reference
-from tilecomm.overlap.moe_fused import FusedGemm, FusedMoEConfig
+from tilecomm.overlap.moe_config import FusedGemm, FusedMoEConfig
 from tilecomm.overlap.tiles import GemmConfig
 
 H, F, M = 32, 16, 24  # hidden, ffn hidden, max tokens per rank
@@ -162,7 +162,7 @@ def test_fused_gemm_item_cols_checked():
 def test_wide_layers_get_split_column_items():
     """On GPUs, an expert whose w_gate_up is at least WIDE_EXPERT_BYTES gets items that split the columns (the
     DeepSeek-V3-like layer), a narrow one whole-row items (the pretraining layer); fp32 and CPU ranks keep their own."""
-    from tilecomm.overlap.moe_fused import WIDE_EXPERT_BYTES, WIDE_LAYER
+    from tilecomm.overlap.moe_config import WIDE_EXPERT_BYTES, WIDE_LAYER
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert FusedMoEConfig.for_device(gpu, 7168, torch.bfloat16, 2048) == WIDE_LAYER
