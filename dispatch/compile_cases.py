@@ -24,8 +24,8 @@ def gpu_compile_cases() -> list:
     return [
         _case(nm._route_kernel, {"topk_ptr": _P64, "counts_ptr": _P32, "totals_ptr": _P64, "minmax_ptr": _P64,
                                  "counter_ptr": _P32, "notify_ptr": _P64, "nsig_ptr": _P64, "plan_ptr": _P64,
-                                 "info_ptr": _P64},
-              dict(K=8, BT=16, BLOCK_P=128, BLOCK_E=512, BLOCK_B=16, BLOCK_W=8, BLOCK_EL=32)),
+                                 "info_ptr": _P64, "ends_ptr": _P32},
+              dict(K=8, BT=16, BLOCK_P=128, BLOCK_E=512, BLOCK_B=16, BLOCK_W=8, BLOCK_EL=32, ROW_ENDS=True)),
         _case(nm._send_kernel, {"x_ptr": _BF16, "x2_ptr": _F32, "topk_ptr": _P64, "w_ptr": _F32, "counts_ptr": _P32,
                                 "rows_ptr": _BF16, "rows2_ptr": _F32, "route_ptr": _P32, "slot_ptr": _P32,
                                 "weight_ptr": _F32, **sig},

@@ -66,8 +66,9 @@ class NormalConfig:
 
 # ---- kernels ---------------------------------------------------------------------------------------
 @triton.jit
-def _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, T, NB, seq, E, E_L, W,
-            BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr):
+def _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, ends_ptr, T, NB, seq, E, E_L,
+            W, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr,
+            ROW_ENDS: tl.constexpr):
     me = tcl.rank()
     bins = tl.arange(0, BLOCK_E)
     tot = tl.zeros((BLOCK_E,), tl.int64)
@@ -100,14 +101,17 @@ def _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, 
     row_off = (tl.cumsum(per_e, axis=0) - per_e)[None, :] + tl.cumsum(got, axis=0) - got
     tl.store(plan_ptr + W + 1 + el[None, :] * W + s[:, None], row_off, mask=sm[:, None] & em[None, :])
     tl.store(plan_ptr + W + 1 + E_L * W + el, per_e, mask=em)
+    if ROW_ENDS:  # the int32 row end of each local expert (torch._grouped_mm's offs), for the fused GEMMs
+        tl.store(ends_ptr + el, tl.cumsum(per_e, axis=0).to(tl.int32), mask=em)
     tl.store(info_ptr, tl.sum(per_e, axis=0))
     tl.store(info_ptr + 1, n_tok)
 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
 def _route_kernel(topk_ptr, counts_ptr, totals_ptr, minmax_ptr, counter_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr,
-                  T, seq, E, E_L, W, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr):
+                  ends_ptr, T, seq, E, E_L, W, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr,
+                  ROW_ENDS: tl.constexpr):
     b = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)
     flat = b.to(tl.int64) * (BT * K) + p
@@ -119,8 +123,8 @@ def _route_kernel(topk_ptr, counts_ptr, totals_ptr, minmax_ptr, counter_ptr, not
     bins = tl.arange(0, BLOCK_E)
     tl.store(counts_ptr + b * E + bins, tl.histogram(tl.where(valid, ids, E).to(tl.int32), BLOCK_E), mask=bins < E)
     if last_program(counter_ptr):
-        _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, T, tl.num_programs(0),
-                seq, E, E_L, W, BLOCK_E, BLOCK_B, BLOCK_W, BLOCK_EL)
+        _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, ends_ptr, T,
+                tl.num_programs(0), seq, E, E_L, W, BLOCK_E, BLOCK_B, BLOCK_W, BLOCK_EL, ROW_ENDS)
 
 
 @triton.jit

@@ -115,9 +115,9 @@ class FusedEngine:
         nb = max(1, triton.cdiv(T, self.bt))
         self._route.launch((nb,), topk.dtype, self._or_dummy(topk, topk.dtype), self._counts,
                            self._totals, self._minmax, self._ctr[0],
-                             self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, T, self.seq[0], E, E_L, W,
-                             K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
-                             BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), num_warps=cfg.num_warps)
+                             self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, plan, T, self.seq[0], E,
+                             E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
+                             BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), ROW_ENDS=False, num_warps=cfg.num_warps)
         if self.cuda:
             self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()

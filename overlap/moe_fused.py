@@ -41,7 +41,7 @@ CPU ranks, where the interpreter runs each launch to completion, every wait is o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -176,22 +176,24 @@ class FusedMoEWorkspace:
         return tl.float64 if self.dtype == torch.float64 else tl.float32
 
     # -- launches ------------------------------------------------------------------------------------
-    def _route(self, topk: torch.Tensor) -> torch.Tensor:
-        """The Dispatcher's route kernel on this workspace's notify buffers; starts the host copy of (R, N, lo, hi)."""
+    def _route(self, topk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The Dispatcher's route kernel on this workspace's notify buffers -> (plan, offs [E_l] int32 row ends of
+        the local experts); starts the host copy of (R, N, lo, hi)."""
         W, E, E_L, K = self.world_size, self.num_experts, self.num_local_experts, self.topk
         self.seq[0] += 1
         parity = self.seq[0] % 2
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=self.device)
+        offs = torch.empty(E_L, dtype=torch.int32, device=self.device)
         self._route_k.launch_keyed(
             (max(1, triton.cdiv(topk.shape[0], self.bt)),),
             self._ptr(topk, topk.dtype), self._counts, self._totals, self._minmax, self._launches[0:1],
-            self.state.notify[parity], self.state.notify_sig[parity], plan, self._info, topk.shape[0], self.seq[0], E,
-            E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16, BLOCK_W=_P2(W),
-            BLOCK_EL=_P2(E_L), num_warps=4)
+            self.state.notify[parity], self.state.notify_sig[parity], plan, self._info, offs, topk.shape[0],
+            self.seq[0], E, E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
+            BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), ROW_ENDS=True, num_warps=4)
         if self._event is not None:
             self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()
-        return plan
+        return plan, offs
 
     def _received(self):
         """(R, min id, max id) of the last route: the one host sync."""
@@ -303,22 +305,21 @@ class FusedMoEWorkspace:
         prepare_tma()
         T, K, H, F, dev, st = x.shape[0], self.topk, self.hidden, w_down.shape[1], self.device, self.state
         topk = topk_idx.contiguous()
-        plan = self._route(topk)
+        plan, offs = self._route(topk)
         slots = torch.empty((T, K), dtype=torch.int32, device=dev)
         weights = topk_weights.float().contiguous()
         self._send(x, topk, weights, slots)
+        w_gu, up = _gate_up_operand(w_gate_up, F)  # what needs no row count: made while route and send run
+        launch = self.cfg.gate_up
+        item_n = self._item_cols(launch, F)
+        gather = item_n >= F  # one item per row tile: it gathers its rows itself
         R, lo, hi = self._received()
-        offs = plan[-self.num_local_experts:].cumsum(0).to(torch.int32)
         rows = max(R, 1)  # kernels and descriptors get at least one row
         h = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
         act = torch.empty((rows, F), dtype=self.dtype, device=dev)
         x_rows = self._rows_buffer(rows, H)  # the GEMM's A operand (TMA), kept for w_gate_up's gradient
         row_pair, row_src = (torch.empty(rows, dtype=torch.int32, device=dev) for _ in range(2))
         row_w = torch.empty(rows, dtype=torch.float32, device=dev)
-        w_gu, up = _gate_up_operand(w_gate_up, F)
-        launch = self.cfg.gate_up
-        item_n = self._item_cols(launch, F)
-        gather = item_n >= F  # one item per row tile: it gathers its rows itself
         if not gather:
             self._gather(launch, R, plan, offs, x_rows, (row_pair, row_src, row_w))
         grid, kw = self._gemm_args(launch, R, triton.cdiv(F, item_n))

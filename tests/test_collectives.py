@@ -363,7 +363,9 @@ def different_collectives():
             tilecomm.all_gather_into_tensor(out, x)
         else:
             tilecomm.all_to_all_single(out, x)
-        tilecomm.check_errors()  # GPUs record it on the device: raised here or at the next call
+        if x.device.type == "cuda":  # GPUs record it on the device, seen once the kernel has run
+            torch.cuda.synchronize()
+        tilecomm.check_errors()
     good = torch.empty_like(x)
     tilecomm.all_to_all_single(good, x)
     ref = torch.empty_like(x)
