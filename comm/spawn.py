@@ -222,7 +222,13 @@ class RankPool:
             raise TilecommError("RankPool: the pool is closed or a rank has died")
         for c in self._conns:
             c.send((fn, args, kwargs))
-        return self._collect(timeout_s, getattr(fn, "__name__", "fn"))
+        try:
+            return self._collect(timeout_s, getattr(fn, "__name__", "fn"))
+        except TilecommError:
+            raise  # every rank replied, or the pool was killed at the deadline (RankError is one too)
+        except BaseException:  # interrupted (a test's time limit, Ctrl-C) while ranks still run fn: their late
+            self.kill()  # replies would answer the next call, so the pool goes
+            raise
 
     def _collect(self, timeout_s: Optional[float], what: str, expect: str = "ok") -> List[Any]:
         """One reply per rank; on failure the most likely culprit's RankError (see `_culprit`)."""

@@ -153,6 +153,7 @@ VARIANTS = {  # None: the workspace's own choice (FusedMoEConfig.for_device); th
     "split, 128-row gate_up": replace(WIDE_LAYER, gate_up=FusedGemm(_G(128, 128, 8, 3), item_cols=128)),
     "split, wgrad pointer stores": replace(WIDE_LAYER, wgrad=GemmConfig(128, 256, 64, 8, 8, 3, 1, False,
                                                                         POINTER_STORES=True)),
+    "split, scatter 4 stages": replace(WIDE_LAYER, scatter=FusedGemm(_G(128, 256, 8, 4), item_cols=256)),
     "split, gate_up 2 per SM 4 warps": replace(WIDE_LAYER, gate_up=FusedGemm(_G(64, 128, 4, 3), 2, copy_cols=128,
                                                                           item_cols=128)),
 }

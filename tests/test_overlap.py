@@ -107,11 +107,11 @@ def mismatched_shapes(op):
     """Ranks that disagree on m / M / N raise PeerMismatchError naming both ranks (no hang, no wrong data)."""
     rank = tilecomm.rank()
     if op == "ag_gemm":
-        fn = lambda: ag_gemm(torch.randn(3 + rank, 8), torch.randn(8, 5))  # noqa: E731
+        fn = lambda: ag_gemm(torch.randn(3 + rank, 8, device=dev()), torch.randn(8, 5, device=dev()))  # noqa: E731
     elif op == "gemm_rs":
-        fn = lambda: gemm_rs(torch.randn(4 + 2 * rank, 8), torch.randn(8, 5))  # noqa: E731
+        fn = lambda: gemm_rs(torch.randn(4 + 2 * rank, 8, device=dev()), torch.randn(8, 5, device=dev()))  # noqa: E731
     else:
-        fn = lambda: gemm_rs(torch.randn(4, 8), torch.randn(8, 5 + rank))  # noqa: E731
+        fn = lambda: gemm_rs(torch.randn(4, 8, device=dev()), torch.randn(8, 5 + rank, device=dev()))  # noqa: E731
     with pytest.raises(PeerMismatchError, match=r"rank 0 .*rank 1|rank 1 .*rank 0"):
         fn()
 

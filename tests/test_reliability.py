@@ -97,6 +97,37 @@ def test_a_rank_whose_host_exchange_broke_leaves_the_pool():
         assert not p.alive and p._procs[0].exitcode is not None
 
 
+def _sleep_and_return_rank(seconds: float) -> int:
+    time.sleep(seconds)
+    return tilecomm.rank()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_pool_interrupted_while_its_ranks_run_goes_away():
+    """A caller interrupted inside run() (a test's time limit, Ctrl-C) while the ranks still run fn: the pool
+    is killed, so the ranks' late replies cannot answer the next call (on 2 GPUs a timed-out test's replies
+    were taken as the next test's results); later calls raise, and a test harness makes a new pool."""
+    def interrupt(signum, frame):
+        raise _Interrupted()
+
+    with tilecomm.RankPool(2, env={"TILECOMM_TIMEOUT_S": str(T), "TILECOMM_HEAP_BYTES": "16MiB"}) as p:
+        assert p.run(_sleep_and_return_rank, 0.0) == [0, 1]
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with pytest.raises(_Interrupted):
+                p.run(_sleep_and_return_rank, 30.0)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert not p.alive
+        with pytest.raises(tilecomm.TilecommError, match="closed or a rank has died"):
+            p.run(_sleep_and_return_rank, 0.0)
+
+
 def test_rendezvous_under_rank_env_honours_the_timeout(tmp_path):
     """RANK/WORLD_SIZE say 2 ranks, one starts: init gives up after TILECOMM_TIMEOUT_S, naming the rendezvous."""
     import socket
