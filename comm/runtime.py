@@ -125,8 +125,14 @@ def finalize() -> None:
     if ctx is None:
         return
     try:
-        check_errors()
+        pending = None
+        try:
+            check_errors()
+        except Exception as err:  # raised after the barrier: the peers are not left waiting at it
+            pending = err
         ctx.boot.barrier("tilecomm.finalize")
+        if pending is not None:
+            raise pending
     finally:
         _CTX = None
         ctx.caches.clear()

@@ -128,6 +128,29 @@ def test_a_pool_interrupted_while_its_ranks_run_goes_away():
             p.run(_sleep_and_return_rank, 0.0)
 
 
+def _finalize_with_an_error_recorded_on_rank_0():
+    """(raised, seconds) of tilecomm.finalize() when rank 0 holds an unraised device-side error."""
+    from tilecomm.errors import PeerMismatchError
+
+    if tilecomm.rank() == 0:
+        tilecomm.current().device_state.error[:4] = torch.tensor([6, 0, 1, 0])  # ranks in different collectives
+    start = time.monotonic()
+    try:
+        tilecomm.finalize()
+    except PeerMismatchError:
+        return True, time.monotonic() - start
+    return False, time.monotonic() - start
+
+
+def test_finalize_with_an_unraised_device_error_does_not_hold_the_peers():
+    """The error is raised on its rank after the finalize barrier, so the peers do not wait out the timeout
+    there (a pool whose rank held one took the whole timeout to close)."""
+    with tilecomm.RankPool(2, env={"TILECOMM_TIMEOUT_S": "30", "TILECOMM_HEAP_BYTES": "16MiB"}) as p:
+        (raised0, took0), (raised1, took1) = p.run(_finalize_with_an_error_recorded_on_rank_0, timeout_s=120)
+    assert raised0 and not raised1
+    assert max(took0, took1) < 10, (took0, took1)
+
+
 def test_rendezvous_under_rank_env_honours_the_timeout(tmp_path):
     """RANK/WORLD_SIZE say 2 ranks, one starts: init gives up after TILECOMM_TIMEOUT_S, naming the rendezvous."""
     import socket
