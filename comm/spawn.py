@@ -129,6 +129,12 @@ def _worker(rank: int, world: int, port: int, backend: str, env: Dict[str, str],
         pass
     finally:
         conn.close()
+    # Leave without the interpreter's teardown: after torch.compile or many interpreted kernels it took ~3 s per
+    # rank, and now and then never ended until close() killed the rank at its deadline (the CPU suite's pools,
+    # 2026-11-26). Nothing is left to clean up: finalize released the heap and its shared memory.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _send_error(conn, err: BaseException) -> None:
@@ -301,7 +307,10 @@ class RankPool:
                 pass
         deadline = time.monotonic() + self.timeout_s + 10.0
         while any(p.is_alive() for p in self._procs) and time.monotonic() < deadline:
-            mpc.wait([p.sentinel for p in self._procs if p.is_alive()], timeout=max(0.0, deadline - time.monotonic()))
+            # a short wait, then is_alive() again: a rank's sentinel stays unreadable after it exits while a
+            # process it started (torch.compile's workers) holds the pipe, and waiting on it alone took until
+            # the deadline (30 s closes in the CPU suite)
+            mpc.wait([p.sentinel for p in self._procs if p.is_alive()], timeout=max(0.0, min(0.05, deadline - time.monotonic())))
         self.kill()
 
     def __enter__(self) -> "RankPool":
