@@ -112,7 +112,7 @@ class FusedEngine:
         topk = topk_idx.contiguous()
         self.seq[0] += 1
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=x.device)
-        nb = max(1, triton.cdiv(T, self.bt))
+        nb = max(1, triton.cdiv(T, self.bt))  # ROW_ENDS off: the experts get tokens_per_expert (plan's tail)
         self._route.launch((nb,), topk.dtype, self._or_dummy(topk, topk.dtype), self._counts,
                            self._totals, self._minmax, self._ctr[0],
                              self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, plan, T, self.seq[0], E,
