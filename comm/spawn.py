@@ -129,12 +129,6 @@ def _worker(rank: int, world: int, port: int, backend: str, env: Dict[str, str],
         pass
     finally:
         conn.close()
-    # Leave without the interpreter's teardown: after torch.compile or many interpreted kernels it took ~3 s per
-    # rank, and now and then never ended until close() killed the rank at its deadline (the CPU suite's pools,
-    # 2026-11-26). Nothing is left to clean up: finalize released the heap and its shared memory.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _send_error(conn, err: BaseException) -> None:
