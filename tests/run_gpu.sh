@@ -10,8 +10,9 @@
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE); TEST_STOP="" runs on
 #          past a failure (default -x), TEST_FILES picks files  -> $OUT/tests.log
-#   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths (needs 2+ GPUs; BENCH_RUNS: a
-#          ";"-separated subset, e.g. "ag_gemm;dispatch --mode low_latency")  -> $OUT/bench_*.json
+#   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths, torch's NVSHMEM all_to_all_vdev
+#          (torch_a2av: its own process) (needs 2+ GPUs; BENCH_RUNS: a ";"-separated subset, e.g.
+#          "ag_gemm;dispatch --mode low_latency;torch_a2av --uneven")  -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
@@ -78,11 +79,12 @@ fi
 if has bench && [ "$NGPU" -ge 2 ]; then  # BENCH_RUNS: ";"-separated "op flags" (default: every op of the issue)
   IFS=';' read -ra runs <<< "${BENCH_RUNS:-all_to_all;all_to_all --symmetric;all_to_all --uneven;all_to_all --uneven --symmetric;\
 dispatch;dispatch --mode low_latency;ag_gemm;gemm_rs;all_gather;all_gather --symmetric;reduce_scatter;reduce_scatter --symmetric;\
-moe_layer}"
+moe_layer;torch_a2av;torch_a2av --uneven}"
   for run in "${runs[@]}"; do
     name=$(echo "$run" | sed 's/ --/_/g; s/ /_/g')
     echo "== bench $run on $NGPU GPUs"
-    timeout "${BENCH_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" -m tilecomm.bench $run \
+    module=tilecomm.bench; [ "${run%% *}" = torch_a2av ] && { module=tilecomm.bench.torch_a2av; run=${run#torch_a2av}; }
+    timeout "${BENCH_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" -m $module $run \
       --json "$OUT/bench_$name.json" > "$OUT/bench_$name.log" 2>&1
     echo "rc $?"; grep -v "named symbol not found" "$OUT/bench_$name.log" | grep -v "^W1\|Warning\|symm_mem_for_group" | tail -6
   done

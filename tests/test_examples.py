@@ -50,6 +50,14 @@ def test_bench_self_on_a_cpu_rank(tmp_path):
     assert all("error" not in r and r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
 
 
+def test_torch_a2av_bench_refuses_to_run_outside_torchrun_on_gpus():
+    """torch's NVSHMEM all_to_all_vdev baseline has no CPU form: the module says how to run it, rc 2, no hang."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "tilecomm.bench.torch_a2av"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "run under torchrun on GPUs" in proc.stderr, proc.stderr
+
+
 def _example_module():
     import importlib.util
 
