@@ -15,6 +15,8 @@
 #          "ag_gemm;dispatch --mode low_latency;torch_a2av --uneven")  -> $OUT/bench_*.json
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
+#   commprofile  tests/comm_profile.py: wall / host / kernel time of the collectives beside NCCL's (2+ GPUs)
+#          -> $OUT/comm_profile.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -45,6 +47,11 @@ if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, so
     TILECOMM_TRANSPORT=$transport timeout "${SIGNAL_TIMEOUT:-90}" torchrun --standalone --nproc-per-node "$NGPU" \
       tests/signal_probe.py 2>&1 | tee -a "$OUT/signal_probe.log" | grep -E "rank|Error|error" | grep -v "named symbol\|^W1"
   done
+fi
+
+if has commprofile && [ "$NGPU" -ge 2 ]; then
+  timeout "${COMM_PROFILE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/comm_profile.py 2>&1 \
+    | sed -u "s/.*named symbol not found//" | tee "$OUT/comm_profile.log" | grep -E "world|wall|Error"
 fi
 
 if has moe; then
