@@ -17,6 +17,8 @@
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
 #   commprofile  tests/comm_profile.py: wall / host / kernel time of the collectives beside NCCL's (2+ GPUs)
 #          -> $OUT/comm_profile.log
+#   overlapprofile  tests/overlap_profile.py: GPU timeline of one fused ag_gemm / gemm_rs call (2+ GPUs)
+#          -> $OUT/overlap_profile.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -52,6 +54,11 @@ fi
 if has commprofile && [ "$NGPU" -ge 2 ]; then
   timeout "${COMM_PROFILE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/comm_profile.py 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/comm_profile.log" | grep -E "world|wall|Error"
+fi
+
+if has overlapprofile && [ "$NGPU" -ge 2 ]; then
+  timeout "${OVERLAP_PROFILE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/overlap_profile.py 2>&1 \
+    | sed -u "s/.*named symbol not found//" > "$OUT/overlap_profile.log"; grep -E "^==|Error" "$OUT/overlap_profile.log"
 fi
 
 if has moe; then
