@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="untimed calls per size and library (default 5; cpu 1)")
     p.add_argument("--reps", type=int, help="timed reps, barrier before each (default 20; cpu 3)")
     p.add_argument("--iters", type=int, help="back-to-back calls timed per rep (default 10; cpu 2)")
+    p.add_argument("--layers", help="moe_layer: comma list of its layers (default: all; see bench/moe_layer.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows as a JSON list (rank 0)")
     return p
@@ -143,7 +144,11 @@ def main(argv=None) -> int:
     if args.op == "moe_layer":
         from . import moe_layer
 
-        moe_layer.run(backend, args.json_path, args.iters or (20 if backend == "cuda" else 2))
+        layers = args.layers.split(",") if args.layers else None
+        unknown = sorted(set(layers or ()) - set(moe_layer.PRESETS))
+        if unknown:
+            p.error(f"--layers {args.layers}: unknown {unknown}; expected a comma list of {sorted(moe_layer.PRESETS)}")
+        moe_layer.run(backend, args.json_path, args.iters or (20 if backend == "cuda" else 2), layers)
         return 0
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:

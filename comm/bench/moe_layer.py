@@ -150,11 +150,12 @@ def _init(backend: str, presets: dict, dtype: torch.dtype) -> None:
     tilecomm.init(backend=backend, heap_bytes=_heap_bytes(presets, dtype, world))
 
 
-def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
+def run(backend: str, json_path: Optional[str], iters: int, layers: Optional[List[str]] = None) -> List[dict]:
+    """layers: names of PRESETS to run (default all; on CPU ranks the toy layers always)."""
     import torch.distributed as dist
 
     on_gpu = backend == "cuda" or (backend == "auto" and torch.cuda.is_available())
-    presets = PRESETS if on_gpu else _CPU
+    presets = {n: p for n, p in PRESETS.items() if layers is None or n in layers} if on_gpu else _CPU
     dtype = torch.bfloat16 if on_gpu else torch.float32
     _init(backend, presets, dtype)
     on_gpu, world = tilecomm.current().backend == "cuda", tilecomm.world_size()
