@@ -8,6 +8,7 @@ after a memory barrier (CU_STREAM_WRITE_VALUE_DEFAULT), so a reader that sees th
 ranks there is no stream: the word is stored at once, after the (synchronous) copy.
 
     tilecomm.stream_ops.write_word(tilecomm.peer(flags, pe)[i], epoch)   # on the current stream
+    tilecomm.stream_ops.write_words(tilecomm.peer(flags, pe)[i:j], epoch) # every word of a range
 """
 from __future__ import annotations
 
@@ -46,13 +47,27 @@ def write_word(word: torch.Tensor, value: int, stream: Optional[torch.cuda.Strea
     `stream` (default: the current stream) behind its earlier work; CPU: stored now."""
     if word.dtype != torch.int64 or word.numel() != 1:
         raise ValueError(f"write_word: word must be one int64 element, got {word.dtype} of {word.numel()} elements")
-    if word.device.type != "cuda":
-        word.fill_(value)
+    _write(word, value, stream)
+
+
+def write_words(words: torch.Tensor, value: int, stream: Optional[torch.cuda.Stream] = None) -> None:
+    """write_word on every element of `words` (a contiguous 1-D int64 range), in one Python call: one stream
+    write per word, each behind the stream's earlier work (their order among themselves does not matter)."""
+    if words.dtype != torch.int64 or words.dim() != 1 or not words.is_contiguous():
+        raise ValueError(f"write_words: words must be a contiguous 1-D int64 tensor, got {words.dtype} of shape "
+                         f"{tuple(words.shape)}")
+    _write(words, value, stream)
+
+
+def _write(words: torch.Tensor, value: int, stream: Optional[torch.cuda.Stream]) -> None:
+    if words.device.type != "cuda":
+        words.fill_(value)
         return
     from cuda.bindings import driver
 
-    stream = stream or torch.cuda.current_stream(word.device)
-    err, = driver.cuStreamWriteValue64(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(word.data_ptr()),
-                                       int(value), driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"write_word: cuStreamWriteValue64 failed: {err}")
+    stream = driver.CUstream((stream or torch.cuda.current_stream(words.device)).cuda_stream)
+    flags, base = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT, words.data_ptr()
+    for i in range(words.numel()):
+        err, = driver.cuStreamWriteValue64(stream, driver.CUdeviceptr(base + 8 * i), int(value), flags)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"write_word: cuStreamWriteValue64 failed: {err}")

@@ -9,8 +9,14 @@ Two things run at once, on two streams (on CPU ranks: one after the other):
   member's symmetric gather buffer and SETs that member's flag of each chunk to the call's epoch; members
   that need the shard earliest get it first. Two ways (`AgGemmWorkspace.push`):
   - "copy" (where every member is directly reachable: NVLink peers, CPU ranks): the copy engine moves the
-    shard in up to 4 chunks (`tensor.copy_` into the peer's heap view) and each chunk's flag is a stream
-    write (tilecomm.stream_ops): no SM is taken from the GEMM, and nothing queued behind it needs one;
+    shard (`tensor.copy_` into the peer's heap view) and each chunk's flag is a stream write
+    (tilecomm.stream_ops): no SM is taken from the GEMM, and nothing queued behind it needs one. The member
+    that reads the shard first (right after its own) gets it in up to 4 chunks, each flagged as it lands;
+    the others get it in one copy, then every chunk's flag: their GEMMs reach it only after one or more
+    whole shards of math, and each copy and flag is a host call (with 4 chunks for every member, the 12
+    copy-and-flag pairs of a call at W = 4 were issued 27-84 µs apart on 4 H200s, longer in all than the
+    small bar shape's GEMM). On GPUs the GEMM is launched before the copies are issued, so it computes its
+    own shard meanwhile;
   - "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
     programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs start first and hold
     their SMs until the shard is out, so the persistent GEMM's last programs wait for them.
@@ -202,13 +208,19 @@ def _copy_chunk_rows(m: int, K: int, elem: int, block_m: int) -> int:
 
 
 def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, chunk_rows: int) -> None:
-    """Copy engine: the shard into each other member's gather slot, chunk by chunk, each chunk's flag written
-    in stream order behind it; members in the order they read it (the one at step 1 first)."""
+    """Copy engine: the shard into each other member's gather slot, each chunk's flag written in stream order
+    behind its rows; members in the order they read it. The one at step 1 gets it chunk by chunk, the others
+    in one copy followed by all the chunks' flags (module docstring)."""
     (m, K), W, me = a_shard.shape, team.size, team.index
     flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK_M)
+    chunks = triton.cdiv(m, chunk_rows)
     for step in range(1, W):
         dest = (me - step) % W  # reads this shard at its step `step`
         slot, flags = ws.peer_gather[dest][epoch % 2, me], ws.peer_flags[dest]
+        if step > 1:
+            slot[:m, :K].copy_(a_shard, non_blocking=True)
+            stream_ops.write_words(flags[me * flag_stride: me * flag_stride + chunks], epoch, ws.stream)
+            continue
         for chunk, r0 in enumerate(range(0, m, chunk_rows)):
             r1 = min(m, r0 + chunk_rows)
             slot[r0:r1, :K].copy_(a_shard[r0:r1], non_blocking=True)
@@ -224,9 +236,22 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     C_TMA = c.stride(0) * c.element_size() % 16 == 0
     cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
     chunk_rows = _copy_chunk_rows(m, K, a.element_size(), cfg.BLOCK_M) if ws.push == "copy" else cfg.BLOCK_M
+
+    def gemm():
+        launch_gemm(_GEMM, W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
+                    epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
+                    chunk_rows // cfg.BLOCK_M, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA,
+                    PRECISION=dot_precision(a.dtype))
+
+    # GEMM first where the push needs no SM and runs beside it (copy engine on a GPU): the host then issues
+    # the copies while the GEMM computes its own shard. A push kernel must start first (the persistent GEMM
+    # would hold every SM), and CPU ranks run launches one after another (the GEMM would wait for itself).
+    gemm_first = W > 1 and ws.push == "copy" and ws.stream is not None
     if W > 1:
         if ws.stream is not None:
-            ws.stream.wait_stream(torch.cuda.current_stream(a.device))
+            ws.stream.wait_stream(torch.cuda.current_stream(a.device))  # (recorded before the GEMM is queued)
+        if gemm_first:
+            gemm()
         with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
             if ws.push == "copy":
                 _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
@@ -234,9 +259,8 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
                 _PUSH.launch((W - 1, min(triton.cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g,
                              ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
                              BLOCK_M=cfg.BLOCK_M)
-    launch_gemm(_GEMM, W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
-                epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride, chunk_rows // cfg.BLOCK_M,
-                bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA, PRECISION=dot_precision(a.dtype))
+    if not gemm_first:
+        gemm()
     if W > 1 and ws.stream is not None:
         torch.cuda.current_stream(a.device).wait_stream(ws.stream)
         a_shard.record_stream(ws.stream)

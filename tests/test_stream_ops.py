@@ -19,3 +19,19 @@ def test_write_word_on_cpu_stores_at_once():
 def test_write_word_rejects_other_words(word, what):
     with pytest.raises(ValueError, match=f"one int64 element, got .*{what}"):
         stream_ops.write_word(word, 1)
+
+
+def test_write_words_on_cpu_stores_every_word_of_the_range():
+    words = torch.full((6,), -1, dtype=torch.int64)
+    stream_ops.write_words(words[1:4], 9)
+    assert words.tolist() == [-1, 9, 9, 9, -1, -1]
+    stream_ops.write_words(words[5:5], 3)  # an empty range writes nothing
+    assert words.tolist() == [-1, 9, 9, 9, -1, -1]
+
+
+@pytest.mark.parametrize("words,what", [(torch.zeros(4, dtype=torch.int32), "torch.int32 of shape \\(4,\\)"),
+                                        (torch.zeros(2, 2, dtype=torch.int64), "shape \\(2, 2\\)"),
+                                        (torch.zeros(6, dtype=torch.int64)[::2], "shape \\(3,\\)")])
+def test_write_words_rejects_other_ranges(words, what):
+    with pytest.raises(ValueError, match=f"contiguous 1-D int64 tensor, got .*{what}"):
+        stream_ops.write_words(words, 1)
