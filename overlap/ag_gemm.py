@@ -16,7 +16,7 @@ Two things run at once, on two streams (on CPU ranks: one after the other):
     whole shards of math, and each copy and flag is a host call (with 4 chunks for every member, the 12
     copy-and-flag pairs of a call at W = 4 were issued 27-84 µs apart on 4 H200s, longer in all than the
     small bar shape's GEMM). On GPUs the GEMM is launched before the copies are issued, so it computes its
-    own shard meanwhile;
+    own shard meanwhile (where the gather buffer's rows are unpadded, so every copy is a memcpy, not a kernel);
   - "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
     programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs start first and hold
     their SMs until the shard is out, so the persistent GEMM's last programs wait for them.
@@ -243,10 +243,12 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
                     chunk_rows // cfg.BLOCK_M, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA,
                     PRECISION=dot_precision(a.dtype))
 
-    # GEMM first where the push needs no SM and runs beside it (copy engine on a GPU): the host then issues
-    # the copies while the GEMM computes its own shard. A push kernel must start first (the persistent GEMM
-    # would hold every SM), and CPU ranks run launches one after another (the GEMM would wait for itself).
-    gemm_first = W > 1 and ws.push == "copy" and ws.stream is not None
+    # GEMM first where the push needs no SM and runs beside it (copy engine on a GPU, rows that are plain
+    # memcpys: torch copies strided rows with a kernel): the host then issues the copies while the GEMM
+    # computes its own shard. A push kernel must start first (the persistent GEMM would hold every SM, on
+    # every member: none could push), and CPU ranks run launches one after another (the GEMM would wait for
+    # itself).
+    gemm_first = W > 1 and ws.push == "copy" and ws.stream is not None and ws.gather.shape[-1] == K
     if W > 1:
         if ws.stream is not None:
             ws.stream.wait_stream(torch.cuda.current_stream(a.device))  # (recorded before the GEMM is queued)
