@@ -2,12 +2,15 @@
 
 Sized once, from the world size and the GPU's SM count (or 1 program per peer on CPU ranks):
 
-    programs_per_peer  P: each call runs W * P programs (all_to_all, all_gather) or P (reduce_scatter)
-    chunk_bytes        bytes a program moves per step (one ring slot)
+    programs_per_peer  P: each call runs W * P programs (all_to_all, all_gather; reduce_scatter: W * P
+                       output columns, each with one slot per writer, so W * W * P slots)
+    chunk_bytes        bytes a program moves per step (one ring slot; reduce_scatter's: the power of two
+                       at most 1/W of it, so its W times as many slots share the same ring)
     ring               uint8 [W * P * DEPTH * chunk_bytes] on the symmetric heap: the staging ring
     words              int64 [7 * W * P] on the heap: meta [W * P, 4] (each pair slot's header: offset,
                        count, in place), then the ready and done signal words and the epochs (each slot's
                        call count, bumped by the kernels) [W * P] each
+    rs_words           int64 [7 * W * W * P]: the same for reduce_scatter's slots (its own epochs)
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done
 
@@ -59,6 +62,7 @@ class CollectiveState:
     block_bytes: int  # bytes per load/store step of a program
     ring: torch.Tensor
     words: torch.Tensor
+    rs_words: torch.Tensor
     tables: torch.Tensor
     num_warps: int
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
@@ -97,9 +101,9 @@ class CollectiveState:
         else:
             P, chunk = 1, chunk_bytes or _CPU_CHUNK_BYTES
         chunk = min(chunk, (workspace_bytes // (W * P * DEPTH)) // 4096 * 4096)
-        require(chunk >= 4096, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
-                f"collectives need at least {W * P * DEPTH * 4096} bytes ({W * P} programs × {DEPTH} ring slots × 4 KiB)",
-                MemoryError)
+        require(chunk >= 4096 * W, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
+                f"collectives need at least {W * W * P * DEPTH * 4096} bytes ({W * P} programs × {DEPTH} ring slots "
+                f"× {W} × 4 KiB: reduce_scatter's slots are 1/{W} of one)", MemoryError)
         slots = W * P
 
         def heap_tensor(shape, dtype):
@@ -111,10 +115,12 @@ class CollectiveState:
         ring = heap_tensor((slots * DEPTH * chunk,), torch.uint8)
         words = heap_tensor((7 * slots,), torch.int64)
         words.zero_()
+        rs_words = heap_tensor((7 * W * slots,), torch.int64)
+        rs_words.zero_()
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
-        return cls(ctx, P, chunk, block_bytes, ring, words, tables, 8 if on_gpu else 1,
+        return cls(ctx, P, chunk, block_bytes, ring, words, rs_words, tables, 8 if on_gpu else 1,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
                    _ring_offset=heap.offset_of(ring), _table_views=[tables[i] for i in range(TABLE_SLOTS)],
@@ -124,10 +130,10 @@ class CollectiveState:
     def free(self) -> None:
         """Return the heap space (finalize does it; the state is unusable afterwards)."""
         heap = self.ctx.heap
-        for t in (self.ring, self.words):
+        for t in (self.ring, self.words, self.rs_words):
             if heap.local is not None:
                 heap.release(heap.offset_of(t))
-        self.ring = self.words = self._error = None
+        self.ring = self.words = self.rs_words = self._error = None
         self._heap_views = {}
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -171,7 +177,9 @@ class CollectiveState:
         config = self._configs.get(key)
         if config is None:
             kernel, elem, aligned = key[:3]
-            chunk = self.chunk_bytes // elem
+            # reduce_scatter: at most 1/W of a slot, a power of two (CPU ranks move a chunk as one block)
+            rs_bytes = 1 << ((self.chunk_bytes // self.ctx.world_size).bit_length() - 1)
+            chunk = (self.chunk_bytes if kernel == "pairs" else rs_bytes) // elem
             block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
             config = dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block, VEC=16 // elem if aligned else 1,
                           num_warps=self.num_warps)
@@ -219,10 +227,11 @@ class CollectiveState:
         in_heap_off, in_place = self._placement(src, n * elem % 16 == 0)
         aligned = n * elem % 16 == 0 and (out.data_ptr() | src.data_ptr()) & 15 == 0
         key = ("reduce", elem, aligned, op, average, in_place, _accumulator(src.dtype))
+        columns = self._pairs_grid[0]  # W * P: every SM reduces (and stages) a share
         self._reduce.launch(
-            (self.programs_per_peer,), (src.dtype,) + key,
-            src, out, self._heap_views[src.dtype], self.words, self._error,
-            self._ring_offset // elem, in_heap_off, n, self.programs_per_peer, **self._launch_config(key))
+            (columns,), (src.dtype,) + key,
+            src, out, self._heap_views[src.dtype], self.rs_words, self._error,
+            self._ring_offset // elem, in_heap_off, n, columns, **self._launch_config(key))
         if self._on_cpu:
             self._raise_mismatch_now()
 
