@@ -70,4 +70,4 @@ def _write(words: torch.Tensor, value: int, stream: Optional[torch.cuda.Stream])
     for i in range(words.numel()):
         err, = driver.cuStreamWriteValue64(stream, driver.CUdeviceptr(base + 8 * i), int(value), flags)
         if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"write_word: cuStreamWriteValue64 failed: {err}")
+            raise RuntimeError(f"stream_ops: cuStreamWriteValue64 failed: {err}")
