@@ -29,10 +29,9 @@ A reader checks the writer's count against what it expects; a mismatch is record
 (raised as PeerMismatchError at the next call) and the smaller count is moved. Reduce-scatter runs C = W * P
 programs (one per SM, as the pairs kernel) that each own an output column (chunks q, q + C, ...) and reduce
 every writer's chunk in rank order (fp32, int64 or fp64 accumulation); column q has one slot per writer,
-k * C + q, in words of its own (CollectiveState.rs_words), and ring chunks of the power of two at most 1/W of
-a pair slot's. (It ran
-P programs until 2026-11-26: staging a 134 MB input then took those 33 SMs of an H200 longer than the reduce,
-0.55x NCCL at W = 4 against 1.01x in place.)
+k * C + q, in words of its own (CollectiveState.rs_words), and ring chunks of the power of two at most 1/W
+of a pair slot's. (It ran P programs until 2026-11-26: staging a 134 MB input then took those 33 SMs of an
+H200 longer than the reduce, 0.55x NCCL at W = 4 against 1.01x in place.)
 
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
 call, so the Triton interpreter (programs one after another) never deadlocks, and on GPUs the grid is
