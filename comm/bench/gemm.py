@@ -100,6 +100,17 @@ def _checked(label: str, got, ref) -> float:
     return err
 
 
+def fused_heap_bytes(dt) -> int:
+    """A heap for bench_fused at world 1: the largest workspace it makes (ag_gemm's gather holds two [M, K]
+    buffers, by call parity; gemm_rs's receive buffer [M, N]) beside the collectives' share."""
+    import tilecomm
+
+    from .. import _env
+
+    size = torch.empty((), dtype=dt).element_size()
+    return max(_env.heap_bytes(), tilecomm.heap_bytes_for(max(max(2 * M * K, M * N) * size for M, K, N in FUSED)))
+
+
 def bench_fused(dt, ops, config) -> list:
     """ag_gemm / gemm_rs at world size 1 (needs tilecomm.init: a one-rank world)."""
     from tilecomm.overlap import AgGemmWorkspace, GemmRsWorkspace, ag_gemm, gemm_rs
@@ -284,8 +295,8 @@ def main(argv=None) -> None:
         import tilecomm
         from tilecomm import runtime
 
-        if not runtime.is_initialized():
-            tilecomm.init(backend="cuda")  # world size 1 under a plain python or a one-rank torchrun
+        if not runtime.is_initialized():  # world size 1 under a plain python or a one-rank torchrun
+            tilecomm.init(backend="cuda", heap_bytes=fused_heap_bytes(dt))
         rows += bench_fused(dt, fused, config)
     if "grouped" in ops:
         rows += bench_grouped(dt, config)
