@@ -10,20 +10,24 @@ store at distance 0.
 Per call and slot (`e` = the slot's epoch, a device word the program bumps, so nothing is passed from
 the host and a captured CUDA graph replays correctly):
 
-1. header   the writer publishes `meta[pid] = (heap offset of its data, element count)` and SETs the
-            reader's `ready[pid] = e << 32` (staged: `e << 32 | 1`, its chunk 0 is in ring slot 0 already,
-            so a pair of one chunk per program costs one signal each way, not two);
+0. reuse    (from the second call on) the writer waits for the reader's final `done` of its previous
+            call: from then on the reader's ring region and header word for this slot are free. The
+            reader sent it at the end of that call, so the wait is usually one local load.
+1. header   the writer stores `meta[pid] = (heap offset of its data, element count, in place, tag)`
+            into the *reader's* words and SETs the reader's `ready[pid] = e << 32` (staged:
+            `e << 32 | 1`: its chunk 0 is in the reader's ring slot 0 already, so a pair of one chunk per
+            program costs one signal each way).
 2. stream   the data moves in chunks of CHUNK elements, chunk c = q, q + P, ... of the pair.
-            Staged (ordinary tensors): the writer copies chunk i into ring slot i % DEPTH of its
-            workspace and SETs `ready = e << 32 | i + 1`; the reader copies it from there into its
-            output and SETs the writer's `done = e << 32 | i + 1` (not after its last chunk: step 3
-            says it); the writer reuses a ring slot only once the reader is done with it. The ring is
-            small (L2-resident on GPUs), so a staged call reads and writes device memory about as often
-            as one copy does.
+            Staged (ordinary tensors): the writer *pushes* chunk i into ring slot i % DEPTH of the
+            reader's ring (stores over NVLink, no round trip) and SETs `ready = e << 32 | i + 1`; the
+            reader copies it from its own ring into its output and SETs the writer's `done = e << 32 |
+            i + 1` (not after its last chunk: step 3 says it); the writer reuses a ring slot only once
+            the reader is done with it. The ring is small (L2-resident on GPUs), so a staged call reads
+            and writes device memory about as often as one copy does.
             In place (inputs on the symmetric heap): the reader copies straight from the writer's tensor.
-3. finish   the reader SETs `done = e << 32 | ALL`; the writer waits for it before it exits, so its
-            input (and ring) are free for the caller's next kernel (and the next call's chunk 0 may go
-            into the ring before its header), and no trailing barrier is needed.
+3. finish   the reader SETs `done = e << 32 | ALL`. A writer whose input is read in place waits for it
+            before it exits, so the input is free for the caller's next kernel; a staged writer's input
+            was read only by itself, so it exits at once (step 0 of its next call waits instead).
 
 A reader checks the writer's count against what it expects; a mismatch is recorded as a device error
 (raised as PeerMismatchError at the next call) and the smaller count is moved. Reduce-scatter runs C = W * P
@@ -33,8 +37,11 @@ k * C + q, in words of its own (CollectiveState.rs_words), and ring chunks of th
 of a pair slot's. (It ran P programs until 2026-11-26: staging a 134 MB input then took those 33 SMs of an
 H200 longer than the reduce, 0.55x NCCL at W = 4 against 1.01x in place.)
 
+Reduce-scatter's staged writers keep their chunks in their own ring, which every reader of the column
+loads (a reduction reads W writers' chunks at once; its headers stay in the writer's words too).
+
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
-call, so the Triton interpreter (programs one after another) never deadlocks, and on GPUs the grid is
+call or at the end of the previous call, so the Triton interpreter (programs one after another) never deadlocks, and on GPUs the grid is
 at most one program per SM, hence co-resident. Every wait has the runtime's timeout.
 """
 from __future__ import annotations
@@ -110,9 +117,10 @@ def _chunks_of(count, q, P, chunk):
 
 @jit
 def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constexpr, TAG: tl.constexpr, ready):
-    """Header of one pair slot: where my data for dst lies (heap element offset), how much, whether dst
-    reads it in place (else through my ring) and which collective this is; then SET dst's ready word to
-    `ready` (the call's base, or base + 1 when ring slot 0 already holds chunk 0: one signal for both)."""
+    """Header of one pair slot, stored at meta_ptr (my own words, or dst's where the reader reads it
+    locally): where my data for dst lies (heap element offset), how much, whether dst reads it in place
+    (else through a ring) and which collective this is; then SET dst's ready word to `ready` (the
+    call's base, or base + 1 when ring slot 0 already holds chunk 0: one signal for both)."""
     tl.store(meta_ptr + 4 * slot, offset)
     tl.store(meta_ptr + 4 * slot + 1, count)
     tl.store(meta_ptr + 4 * slot + 2, tl.full((), IN_PLACE, tl.int64))
@@ -121,11 +129,15 @@ def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constex
 
 
 @jit
-def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base, TAG: tl.constexpr):
-    """Wait for src's header on `slot`; return (heap offset of its data, count to move, in place?, the
-    count src offers). A different collective or count on src is recorded as a device error."""
+def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base, TAG: tl.constexpr, LOCAL: tl.constexpr):
+    """Wait for src's header on `slot` (LOCAL: src stored it in my words, else it is in src's); return
+    (heap offset of its data, count to move, in place?, the count src offers). A different collective or
+    count on src is recorded as a device error."""
     tok = tcl.wait(ready_ptr + slot, base, tcl.CMP_GE)
-    remote = tcl.consume_token(tcl.symm_at(meta_ptr, src), tok)
+    if LOCAL:
+        remote = tcl.consume_token(meta_ptr, tok)
+    else:
+        remote = tcl.consume_token(tcl.symm_at(meta_ptr, src), tok)
     offset = tl.load(remote + 4 * slot, cache_modifier=".cg")
     offered = tl.load(remote + 4 * slot + 1, cache_modifier=".cg")
     in_place = tl.load(remote + 4 * slot + 2, cache_modifier=".cg")
@@ -180,42 +192,49 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
         s_cnt = tl.load(table_ptr + 2 * dst + 1)
         r_off = tl.load(table_ptr + 2 * W + 2 * src)
         r_cnt = tl.load(table_ptr + 2 * W + 2 * src + 1)
-    # staged: chunk 0 goes into ring slot 0 before the header, whose signal then also says "chunk 0 ready"
+    # my ring region on dst (and dst's words) hold what I sent in my previous call until dst's final done
+    slot0 = ring_off + pid * DEPTH * CHUNK
+    peer_dst = _peer_delta(heap_ptr, dst)
+    if e > 1:
+        tcl.wait(done_ptr + pid, base - 1, tcl.CMP_GE)
+    # staged: chunk 0 goes into dst's ring slot 0 before the header, whose signal then also says "chunk 0 ready"
     s_chunk = _chunk_size(s_cnt, P, CHUNK)
     n_send = _chunks_of(s_cnt, q, P, s_chunk) * (1 - IN_PLACE)
-    slot0 = ring_off + pid * DEPTH * CHUNK
     if n_send > 0:
         c0 = q.to(tl.int64) * s_chunk
-        _copy(heap_ptr, slot0, in_ptr, s_off + c0, tl.minimum(s_chunk, s_cnt - c0), BLOCK, VEC)
-    _publish(meta_ptr, ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, TAG, tl.where(n_send > 0, base + 1, base))
+        _copy(heap_ptr, peer_dst + slot0, in_ptr, s_off + c0, tl.minimum(s_chunk, s_cnt - c0), BLOCK, VEC)
+    _publish(tcl.symm_at(meta_ptr, dst), ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, TAG,
+             tl.where(n_send > 0, base + 1, base))
     remote_off, cnt, remote_in_place, offered = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base,
-                                                             TAG)
+                                                             TAG, True)
     # interleave my sends to dst with my receives from src, chunk by chunk (a pair's chunking follows from
     # its writer's count, which both ends know)
     r_chunk = _chunk_size(offered, P, CHUNK)
     n_recv = _chunks_of(cnt, q, P, r_chunk)
-    peer_heap = _peer_delta(heap_ptr, src)
+    peer_src = _peer_delta(heap_ptr, src)
     for i in range(0, tl.maximum(n_send, n_recv)):
         slot = slot0 + (i % DEPTH) * CHUNK
         if (i > 0) & (i < n_send):
             c = (q + i * P).to(tl.int64) * s_chunk
             if i >= DEPTH:  # the reader must be done with what this ring slot held
                 tcl.wait(done_ptr + pid, base + i - DEPTH + 1, tcl.CMP_GE)
-            _copy(heap_ptr, slot, in_ptr, s_off + c, tl.minimum(s_chunk, s_cnt - c), BLOCK, VEC)
+            _copy(heap_ptr, peer_dst + slot, in_ptr, s_off + c, tl.minimum(s_chunk, s_cnt - c), BLOCK, VEC)
             tcl.signal(ready_ptr + pid, base + i + 1, dst, tcl.SIGNAL_SET)
         if i < n_recv:
             c = (q + i * P).to(tl.int64) * r_chunk
             if remote_in_place == 0:
                 tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
-                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + slot, tl.minimum(r_chunk, cnt - c), BLOCK, VEC)
+                _copy(out_ptr, r_off + c, heap_ptr, slot, tl.minimum(r_chunk, cnt - c), BLOCK, VEC)
                 if i < n_recv - 1:  # the last chunk's "done" is the final signal below
                     tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:
-                _copy(out_ptr, r_off + c, heap_ptr, peer_heap + remote_off + c, tl.minimum(r_chunk, cnt - c),
+                _copy(out_ptr, r_off + c, heap_ptr, peer_src + remote_off + c, tl.minimum(r_chunk, cnt - c),
                       BLOCK, VEC)
-    # finish: src may reuse its data; wait until dst is done with mine
+    # finish: src may reuse my ring region and words; my input, where dst reads it in place, is free once dst
+    # says it is done
     tcl.signal(done_ptr + pid, last, src, tcl.SIGNAL_SET)
-    tcl.wait(done_ptr + pid, last, tcl.CMP_GE)
+    if IN_PLACE:
+        tcl.wait(done_ptr + pid, last, tcl.CMP_GE)
 
 
 @jit
@@ -282,7 +301,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
         _publish(meta_ptr, ready_ptr, k * P + q, dst, in_heap_off + dst.to(tl.int64) * n64, n64, IN_PLACE, TAG,
                  base)
     for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
-        _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base, TAG)
+        _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base, TAG, False)
     # each writer's header, read once: is its data in place, and where (element offsets from my heap)
     ps = tl.arange(0, MAX_W)
     slots = ((me + W - ps) % W) * P + q
