@@ -6,10 +6,11 @@ Sized once, from the world size and the GPU's SM count (or 1 program per peer on
                        output columns, each with one slot per writer, so W * W * P slots)
     chunk_bytes        bytes a program moves per step (one ring slot; reduce_scatter's: the power of two
                        at most 1/W of it, so its W times as many slots share the same ring)
-    ring               uint8 [W * P * DEPTH * chunk_bytes] on the symmetric heap: the staging ring
+    ring               uint8 [W * P * DEPTH * chunk_bytes] on the symmetric heap: the staging ring (pair
+                       slot pid's region on a rank is written by that slot's writer, which pushes into it)
     words              int64 [7 * W * P] on the heap: meta [W * P, 4] (each pair slot's header: offset,
-                       count, in place), then the ready and done signal words and the epochs (each slot's
-                       call count, bumped by the kernels) [W * P] each
+                       count, in place, tag; stored there by the slot's writer), then the ready and done
+                       signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each
     rs_words           int64 [7 * W * W * P]: the same for reduce_scatter's slots (its own epochs)
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done
@@ -32,7 +33,7 @@ from ..errors import require
 from ..jit import CachedLaunch
 from . import _exchange as kx
 
-DEPTH = 2  # ring slots per program: a program stages chunk i + 1 while its reader copies chunk i
+DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
 TABLE_SLOTS = 64
 # GPU tuning, from the sweep of `python -m tilecomm.bench self` (one H100, 2026-11-25): one program per SM,
 # 128 KiB chunks (a 34 MiB ring on 132 SMs, within L2) and 32 KiB steps (128 bytes in flight per thread).
