@@ -11,7 +11,8 @@ Sized once, from the world size and the GPU's SM count (or 1 program per peer on
     words              int64 [7 * W * P] on the heap: meta [W * P, 4] (each pair slot's header: offset,
                        count, in place, tag; stored there by the slot's writer), then the ready and done
                        signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each
-    rs_words           int64 [7 * W * W * P]: the same for reduce_scatter's slots (its own epochs)
+    rs_words           int64 [7 * W * W * P]: the same for reduce_scatter's slots (its own epochs; its writers
+                       keep their headers and staged chunks in their own words and ring, which the readers load)
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done
 
