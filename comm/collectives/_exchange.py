@@ -40,6 +40,13 @@ H200 longer than the reduce, 0.55x NCCL at W = 4 against 1.01x in place.)
 Reduce-scatter's staged writers keep their chunks in their own ring, which every reader of the column
 loads (a reduction reads W writers' chunks at once; its headers stay in the writer's words too).
 
+Both kernels use the same ring, and a push can land in a peer's ring while that peer is still in its
+previous collective. This is safe in both orders. Pairs then reduce-scatter: a reader leaves the pairs
+kernel only once every chunk pushed into its ring is out, so its own reduce-scatter staging comes after.
+Reduce-scatter then pairs: a writer finishes reduce-scatter only once every reader has sent its final
+`done`. Every reader's loop reads all writers' chunks of its column, so by then no rank reads any ring
+for that call, and a push for the next call may land.
+
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
 call or at the end of the previous call, so the Triton interpreter (programs one after another) never deadlocks, and on GPUs the grid is
 at most one program per SM, hence co-resident. Every wait has the runtime's timeout.
