@@ -14,6 +14,10 @@
 | TILECOMM_TRANSPORT        | nvlink    | GPU kernels: "nvlink" (direct loads/stores, NVSHMEM for peers  |
 |                           |           | without a mapping) or "nvshmem" (NVSHMEM device calls always); |
 |                           |           | read once at import, because kernels compile it in             |
+| TILECOMM_CPU_JITTER_MS    | 0         | CPU ranks: a random pause of up to this many ms after every     |
+|                           |           | tcl.signal and tcl.wait (tests: the interpreter runs programs  |
+|                           |           | one after another, which hides ordering races; pauses widen    |
+|                           |           | their windows); read once at import                            |
 
 Nothing else in the package touches `os.environ`.
 """
@@ -85,6 +89,17 @@ def check() -> bool:
     if raw not in ("", "0", "1"):
         raise ValueError(f"TILECOMM_CHECK={raw!r}: expected 0 or 1")
     return raw == "1"
+
+
+def cpu_jitter_s() -> float:
+    raw = os.environ.get("TILECOMM_CPU_JITTER_MS", "0").strip() or "0"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"TILECOMM_CPU_JITTER_MS={raw!r}: expected a number of milliseconds >= 0")
+    return value / 1e3
 
 
 def transport() -> str:

@@ -182,6 +182,17 @@ def test_invalid_byte_counts_are_rejected(monkeypatch, name, value):
         _env.heap_bytes() if name == "TILECOMM_HEAP_BYTES" else _env.workspace_bytes(1 << 20)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "abc"])
+def test_invalid_cpu_jitter_is_rejected(monkeypatch, value):
+    from tilecomm import _env
+
+    monkeypatch.setenv("TILECOMM_CPU_JITTER_MS", value)
+    with pytest.raises(ValueError, match=r"TILECOMM_CPU_JITTER_MS=.*milliseconds >= 0"):
+        _env.cpu_jitter_s()
+    monkeypatch.setenv("TILECOMM_CPU_JITTER_MS", "2.5")
+    assert _env.cpu_jitter_s() == 0.0025
+
+
 def test_heap_larger_than_free_shared_memory_is_refused():
     from tilecomm.backend_cpu import _SHM_DIR, shm_shortfall
 

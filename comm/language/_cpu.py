@@ -14,17 +14,29 @@ to unknown memory or a segfault. put's source and get's destination are local an
 """
 from __future__ import annotations
 
+import os
+import random
 import time
 
 import numpy as np
 import triton.language as tl
 from triton.runtime.interpreter import _implicit_cvt
 
-from .. import runtime
+from .. import _env, runtime
 from ..errors import OutOfBoundsError, WaitTimeoutError
 from ._constants import CMP_GE, CMP_NAMES, SIGNAL_ADD, SIGNAL_SET, compare_numpy
 
 _COPY_BLOCK = 1 << 14
+# TILECOMM_CPU_JITTER_MS (tests): a random pause after every signal and wait. Programs run one after another
+# in the interpreter, so a protocol that lets a peer overwrite data too early rarely shows it; pauses here
+# let peers run ahead by milliseconds, as they can by microseconds on GPUs.
+_JITTER_S = _env.cpu_jitter_s()
+_JITTER = random.Random(os.getpid())
+
+
+def _pause() -> None:
+    if _JITTER_S:
+        time.sleep(_JITTER.random() * _JITTER_S)
 
 
 def _py(value):
@@ -132,6 +144,7 @@ def signal(sig, value, pe, op):
         tl.atomic_add(target, value, sem="release", scope="sys")
     else:
         raise ValueError(f"tcl.signal: op={op!r}; expected tcl.SIGNAL_SET or tcl.SIGNAL_ADD")
+    _pause()
 
 
 def wait(sig, value, cmp):
@@ -148,6 +161,7 @@ def wait(sig, value, cmp):
         seen = tl.atomic_add(sig, tl.zeros(sig.shape, sig.dtype.element_ty) if sig.shape else 0, sem="acquire", scope="sys")
         words = np.asarray(_py(seen))
         if np.all(compare_numpy(words, expected, cmp)):
+            _pause()
             return seen
         if time.monotonic() > deadline:
             ctx.device_state.raise_if_error()  # a recorded error (e.g. a peer in another collective) is the cause
