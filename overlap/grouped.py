@@ -44,10 +44,9 @@ WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
     # few rows per expert: the gradient's stores bound the kernel (2 TB/s of TMA stores on an H200, BENCHMARKS.md);
     # fire-and-forget pointer stores let the next item's loads start without waiting for them (not measured yet)
     GemmConfig(128, 256, 64, 8, 8, 3, 1, False, POINTER_STORES=True)] + [
-    # the flat form's tile stores (22.5 GB of bf16 gradient in the DeepSeek-like layer) ran at ~2 TB/s, about
-    # half an H200's write bandwidth: one program per SM waits for its tile's store before its next item's
-    # MMAs. Two programs per SM (smaller tiles, fewer stages to fit shared memory) overlap one's store with
-    # the other's steps; BLOCK_K 128 makes a ~128-row expert one step per item
+    # the flat form writes the DeepSeek-like layer's 22.5 GB of bf16 gradient at ~2.2 TB/s, as torch's CUTLASS
+    # kernel does: two programs per SM (one's store beside the other's steps) and BLOCK_K 128 (a ~128-row
+    # expert in one step) were all slower than the default on one H200 (BENCHMARKS.md, 2026-11-26 morning)
     GemmConfig(*c) for c in [
         (128, 128, 64, 8, 4, 2, 1, False, True, 2), (128, 128, 64, 8, 4, 3, 2, False, True, 2),
         (64, 256, 64, 8, 4, 2, 1, False, True, 2), (128, 128, 128, 8, 8, 2, 1, False, True, 1),

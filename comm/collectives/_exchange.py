@@ -48,8 +48,9 @@ Reduce-scatter then pairs: a writer finishes reduce-scatter only once every read
 for that call, and a push for the next call may land.
 
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
-call or at the end of the previous call, so the Triton interpreter (programs one after another) never deadlocks, and on GPUs the grid is
-at most one program per SM, hence co-resident. Every wait has the runtime's timeout.
+call or at the end of the previous call, so the Triton interpreter (programs one after another) never
+deadlocks, and on GPUs the grid is at most one program per SM, hence co-resident. Every wait has the
+runtime's timeout.
 """
 from __future__ import annotations
 
