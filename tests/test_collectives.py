@@ -275,10 +275,12 @@ def skewed_sequence(seed, n, slow_ms):
     tilecomm.free(heap_in)
 
 
-def test_peers_run_ahead_into_the_next_collective(ranks):
-    """Without the pairs writer's wait for its reader's last `done` of the previous call this fails every time
-    on 2 CPU ranks (wrong rows, or a wait that times out when a header is overwritten)."""
-    ranks(2).run(skewed_sequence, 31, 20_001, 60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_peers_run_ahead_into_the_next_collective(ranks, world):
+    """Fails every time on 2 CPU ranks without the pairs writer's wait for its reader's last `done` of the
+    previous call (wrong rows, or a wait that times out when a header is overwritten), and on 3 without
+    reduce_scatter's wait for its readers (a peer's next push lands in a ring the slowed rank still reads)."""
+    ranks(world).run(skewed_sequence, 31, 20_001, 60)
 
 
 def reduce_scatter_large_mixed(seed):
