@@ -37,26 +37,6 @@ def _tensors(op, shape, symmetric, world):
     return x, torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
 
 
-def _kernel_profile(fn, calls=6):
-    """(kernels per call, median over calls 2.. of a call's summed kernel µs, the kernels' names)."""
-    fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    per_call = max(1, len(events) // calls)
-    sums = sorted(sum(e.device_time_total for e in events[i:i + per_call])
-                  for i in range(per_call, per_call * calls, per_call))
-    names = ", ".join(sorted({e.name[:40] for e in events}))
-    return per_call, (sums[len(sums) // 2] if sums else 0.0), names
-
-
 def main():
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -78,7 +58,7 @@ def main():
             dist.barrier()
             host = measure.host_us(call)
             dist.barrier()
-            n, kern, names = _kernel_profile(call)
+            n, kern, names = measure.kernel_profile(call, 6, settle=dist.barrier)
             if rank == 0:
                 label = f"{op} {shape[0]}x{shape[1]}{' sym' if symmetric else ''}"
                 print(f"{label:<28} {lib:<8} wall {wall:8.1f}  host {host:7.1f}  kernel {kern:8.1f}  "

@@ -4,6 +4,7 @@
                         Python included; what a training step pays)
     host_us(fn)         the same N calls without the final wait: host time per call
     kernels_per_call(fn) GPU kernels and memcpys of one call and their device time (torch.profiler)
+    kernel_profile(fn, calls) the same per call over calls back to back (median of calls 2..), with names
     host_syncs(fn)      synchronising CUDA calls the host makes in one call
                         (torch.cuda.set_sync_debug_mode("warn") warnings, plus Event.synchronize calls)
     graph_replays(fn, out) capture one call in a CUDA graph, replay it, True if the replay rewrote `out`
@@ -50,17 +51,37 @@ def host_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: 
 
 def kernels_per_call(fn: Callable[[], object], on_gpu: bool = True):
     """(GPU kernels and memcpys of one call, their summed device time in µs)."""
+    count, us, _ = kernel_profile(fn, 1, on_gpu)
+    return count, us
+
+
+def kernel_profile(fn: Callable[[], object], calls: int = 1, on_gpu: bool = True,
+                   settle: Optional[Callable[[], object]] = None):
+    """(GPU kernels and memcpys per call, a call's summed device time in µs, the kernels' names), from
+    torch.profiler over `calls` calls back to back after one warm-up call. With calls > 1 the time is the
+    median over calls 2.. (the first absorbs start-up skew, e.g. ranks starting their profilers apart).
+    settle: run after the warm-up, before profiling (e.g. a barrier between ranks)."""
     if not on_gpu:
-        return 0, 0.0
+        return 0, 0.0, ""
     fn()
     torch.cuda.synchronize()
+    if settle is not None:
+        settle()
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(events), sum(e.device_time_total for e in events)
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    names = ", ".join(sorted({e.name[:40] for e in events}))
+    if calls == 1:
+        return len(events), sum(e.device_time_total for e in events), names
+    per_call = max(1, len(events) // calls)
+    sums = sorted(sum(e.device_time_total for e in events[i:i + per_call])
+                  for i in range(per_call, per_call * calls, per_call))
+    return per_call, (sums[len(sums) // 2] if sums else 0.0), names
 
 
 def host_syncs(fn: Callable[[], object], on_gpu: bool = True) -> int:
