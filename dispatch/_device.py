@@ -76,8 +76,8 @@ def signal_all(sig_ptr, value, W):
 @triton.jit
 def record_error(err_ptr, code, me, a, b, c):
     if tl.load(err_ptr, volatile=True) == 0:
-        tl.store(err_ptr + 1, me.to(tl.int64))
-        tl.store(err_ptr + 2, a.to(tl.int64))
-        tl.store(err_ptr + 3, b.to(tl.int64))
-        tl.store(err_ptr + 4, c.to(tl.int64))
+        tl.store(err_ptr + 1, tl.cast(me, tl.int64))  # tl.cast: an int argument of 1 arrives as a constexpr
+        tl.store(err_ptr + 2, tl.cast(a, tl.int64))
+        tl.store(err_ptr + 3, tl.cast(b, tl.int64))
+        tl.store(err_ptr + 4, tl.cast(c, tl.int64))
         tl.store(err_ptr, code)

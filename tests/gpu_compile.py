@@ -14,7 +14,9 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton._C.libtriton import ir
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,10 +106,38 @@ def _resources(cubin: bytes) -> dict:
     return {"regs": int(found[1]) if found else None, "local_bytes": int(found[2]) + int(found[3]) if found else None}
 
 
+def _as_ones(case):
+    """The case with every integer scalar argument equal to 1: Triton compiles an int argument of value 1 as
+    the constexpr 1 (on which a method such as `.to()` fails), so each kernel must build that way too."""
+    fn, sig, consts, *_ = case
+    ints = [name for name, t in sig.items() if t in ("i32", "i64")]
+    return fn, {name: "constexpr" if name in ints else t for name, t in sig.items()}, dict(consts, **{n: 1 for n in ints})
+
+
+def _frontend(src: ASTSource, target: GPUTarget, options: dict) -> str:
+    """Triton's first stage only (Python AST to TTIR), where a constexpr argument meets the kernel's code."""
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    return str(src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context))
+
+
 def main() -> None:
     _gpu.set_state_address(0x7F0000001000)
-    print(json.dumps({"cases": len(CASES)}))  # every case must come back as a row
+    target = GPUTarget("cuda", 90, 32)
     libs = (("libnvshmem_device", _gpu.nvshmem_bitcode(arch=90)),)
+    options = {"extern_libs": libs, "num_warps": 8, "num_stages": 3}
+    if os.environ.get("TILECOMM_COMPILE_ONES") == "1":  # the non-GEMM kernels with every int argument 1, to TTIR
+        cases = [_as_ones(c) for c in CASES if "GROUP_M" not in c[1]]
+        print(json.dumps({"cases": len(cases)}))
+        for fn, sig, consts in cases:
+            src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+            ttir = _frontend(src, target, options)
+            print(json.dumps({"kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", "ttir_bytes": len(ttir)}))
+        return
+    print(json.dumps({"cases": len(CASES)}))  # every case must come back as a row
     for fn, sig, consts, *aligned in CASES:
         names = list(sig)
         # pointers 16-byte aligned and the ints a case names (a 4th element) multiples of 16, as Triton
@@ -116,8 +146,7 @@ def main() -> None:
         attrs = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(sig.items())
                  if t.startswith("*") or name in ints16}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"extern_libs": libs, "num_warps": 8, "num_stages": 3})
+        kernel = triton.compile(src, target=target, options=options)
         ptx = kernel.asm["ptx"]
         print(json.dumps({
             "kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", "cubin_bytes": len(kernel.asm["cubin"]),

@@ -59,3 +59,15 @@ def test_kernels_compile_for_sm90_nvshmem_transport(compiled):
     assert rows["_exchange._pairs_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]
     # a one-word signal is issued by one thread (each thread's SIGNAL_ADD added num_warps * 32 times on 2 H200s)
     assert rows["test_language._add_kernel"]["nvshmem_calls"] and rows["test_language._add_kernel"]["thread0_guard"]
+
+
+def test_kernels_build_with_int_arguments_of_one():
+    """Triton turns an int argument equal to 1 into a constexpr at launch; a method call on it (`M.to(...)`) then
+    fails to compile. It did on 4 H200s: low-latency dispatch with at most one token per rank, whose capacity
+    check passes M to record_error. Every non-GEMM kernel must get through Triton's front end that way."""
+    pytest.importorskip("nvidia.nvshmem", reason="nvidia-nvshmem-cu13 (the test extra) provides libnvshmem_device.bc")
+    proc = _start({"TILECOMM_TRANSPORT": "nvlink", "TILECOMM_COMPILE_ONES": "1"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(rows) - 1 == rows[0]["cases"] >= 20 and all(r["ttir_bytes"] > 0 for r in rows[1:]), rows
