@@ -33,19 +33,15 @@ A reader checks the writer's count against what it expects; a mismatch is record
 (raised as PeerMismatchError at the next call) and the smaller count is moved. Reduce-scatter runs C = W * P
 programs (one per SM, as the pairs kernel) that each own an output column (chunks q, q + C, ...) and reduce
 every writer's chunk in rank order (fp32, int64 or fp64 accumulation); column q has one slot per writer,
-k * C + q, in words of its own (CollectiveState.rs_words), and ring chunks of the power of two at most 1/W
-of a pair slot's. (It ran P programs until 2026-11-26: staging a 134 MB input then took those 33 SMs of an
-H200 longer than the reduce, 0.55x NCCL at W = 4 against 1.01x in place.)
+k * C + q, in words and a ring of its own (CollectiveState.rs_words, rs_ring), with ring chunks of the power
+of two at most 1/W of a pair slot's. Its steps are the pairs kernel's: a staged writer pushes its chunk i for
+each reader into that reader's ring and signals it; the reader reduces from its own ring (and straight from a
+writer's tensor where that writer's input is on the heap). (Until 2026-11-26 the writers staged into their
+own ring and the readers pulled: 0.50x NCCL at W = 4, against 0.93x in place.)
 
-Reduce-scatter's staged writers keep their chunks in their own ring, which every reader of the column
-loads (a reduction reads W writers' chunks at once; its headers stay in the writer's words too).
-
-Both kernels use the same ring, and a push can land in a peer's ring while that peer is still in its
-previous collective. This is safe in both orders. Pairs then reduce-scatter: a reader leaves the pairs
-kernel only once every chunk pushed into its ring is out, so its own reduce-scatter staging comes after.
-Reduce-scatter then pairs: a writer finishes reduce-scatter only once every reader has sent its final
-`done`. Every reader's loop reads all writers' chunks of its column, so by then no rank reads any ring
-for that call, and a push for the next call may land.
+Reduce-scatter has a ring of its own because a push lands in a peer's ring while that peer may still be in
+its previous collective: two pairs calls in a row are kept apart by the per-slot reuse wait (step 0), but an
+all_to_all's reader and a reduce-scatter's writer use different slots, so nothing orders them.
 
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
 call or at the end of the previous call, so the Triton interpreter (programs one after another) never
@@ -291,10 +287,13 @@ def _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, s, length, MASKED: tl.co
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n", "P"])
 def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
-                   VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr):
+                   PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the slots k * P + q of every k (P here is the column count the
-    host passes, C = W * programs_per_peer; words_ptr is its own word set)."""
+    host passes, C = W * programs_per_peer; words_ptr is its own word set, ring_off its own ring). As a
+    writer, slot k * P + q is mine towards the reader me + k: its header and, staged, my chunks pushed into
+    that reader's ring. As a reader, slot k * P + q holds the writer me - k's. BLOCK: elements per reduce step
+    (W writers' blocks loaded at once), PUSH_BLOCK: per push step."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
     q = tl.program_id(0)
     me = tcl.rank()
@@ -303,34 +302,45 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     base = e << 32
     last = ((e + 1) << 32) - 1
     n64 = n + 0 * e
-    for k in range(0, W):  # my header to every reader
+    chunk = _chunk_size(n64, P, CHUNK)
+    n_chunks = _chunks_of(n64, q, P, chunk)
+    c0 = q.to(tl.int64) * chunk
+    for k in range(0, W):  # my header (staged: with my chunk 0, pushed first) into every reader's words
         dst = (me + k) % W
-        tl.store(epoch_ptr + k * P + q, e)
-        _publish(meta_ptr, ready_ptr, k * P + q, dst, in_heap_off + dst.to(tl.int64) * n64, n64, IN_PLACE, TAG,
-                 base)
+        slot = k * P + q
+        tl.store(epoch_ptr + slot, e)
+        if e > 1:  # dst is done with my previous call: its header word, ring region and (in place) my input
+            tcl.wait(done_ptr + slot, base - 1, tcl.CMP_GE)
+        if not IN_PLACE:
+            if n_chunks > 0:
+                _copy(heap_ptr, _peer_delta(heap_ptr, dst) + ring_off + slot * DEPTH * CHUNK, in_ptr,
+                      dst.to(tl.int64) * n64 + c0, tl.minimum(chunk, n64 - c0), PUSH_BLOCK, VEC)
+        _publish(tcl.symm_at(meta_ptr, dst), ready_ptr, slot, dst, in_heap_off + dst.to(tl.int64) * n64, n64,
+                 IN_PLACE, TAG, base + (n_chunks > 0).to(tl.int64) * (1 - IN_PLACE))
     for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
-        _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base, TAG, False)
-    # each writer's header, read once: is its data in place, and where (element offsets from my heap)
+        _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base, TAG, True)
+    # the headers, read once: is each writer's data in place (on its heap), or pushed into my ring
     ps = tl.arange(0, MAX_W)
     slots = ((me + W - ps) % W) * P + q
-    remote = tcl.symm_at(meta_ptr + 4 * slots, ps % W)
-    in_place = tl.load(remote + 2, mask=ps < W, other=1, cache_modifier=".cg")
-    base_offs = _peer_delta(heap_ptr, ps % W) + tl.where(in_place == 0, ring_off + slots * DEPTH * CHUNK,
-                                                         tl.load(remote, mask=ps < W, other=0, cache_modifier=".cg"))
-    chunk = _chunk_size(n64, P, CHUNK)
-    for i in range(0, _chunks_of(n64, q, P, chunk)):
+    in_place = tl.load(meta_ptr + 4 * slots + 2, mask=ps < W, other=1, cache_modifier=".cg")
+    base_offs = tl.where(in_place == 0, ring_off + slots * DEPTH * CHUNK,
+                         _peer_delta(heap_ptr, ps % W) + tl.load(meta_ptr + 4 * slots, mask=ps < W, other=0,
+                                                                 cache_modifier=".cg"))
+    for i in range(0, n_chunks):
         c = (q + i * P).to(tl.int64) * chunk
         length = tl.minimum(chunk, n64 - c)
         ring_slot = (i % DEPTH) * CHUNK
         if not IN_PLACE:
-            for k in range(0, W):
-                slot = k * P + q
-                if i >= DEPTH:
-                    tcl.wait(done_ptr + slot, base + i - DEPTH + 1, tcl.CMP_GE)
-                _copy(heap_ptr, ring_off + slot * DEPTH * CHUNK + ring_slot, in_ptr, ((me + k) % W).to(tl.int64) * n64 + c,
-                      length, BLOCK, VEC)
-                tcl.signal(ready_ptr + slot, base + i + 1, (me + k) % W, tcl.SIGNAL_SET)
-        for p in range(0, W):  # staged writers: their chunk i is in their ring
+            if i > 0:  # chunk 0 went with the header
+                for k in range(0, W):
+                    dst = (me + k) % W
+                    slot = k * P + q
+                    if i >= DEPTH:  # the reader must be done with what this ring slot held
+                        tcl.wait(done_ptr + slot, base + i - DEPTH + 1, tcl.CMP_GE)
+                    _copy(heap_ptr, _peer_delta(heap_ptr, dst) + ring_off + slot * DEPTH * CHUNK + ring_slot, in_ptr,
+                          dst.to(tl.int64) * n64 + c, length, PUSH_BLOCK, VEC)
+                    tcl.signal(ready_ptr + slot, base + i + 1, dst, tcl.SIGNAL_SET)
+        for p in range(0, W):  # staged writers: their chunk i is in my ring
             if _pick(in_place, ps, p) == 0:
                 tcl.wait(ready_ptr + ((me + W - p) % W) * P + q, base + i + 1, tcl.CMP_GE)
         src_offs = base_offs + tl.where(in_place == 0, ring_slot, c)
@@ -340,12 +350,14 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
                          OP, ACC, AVG, BLOCK, VEC)
         if full < length:
             _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, full, length, True, OP, ACC, AVG, BLOCK, VEC)
-        for p in range(0, W):
-            if _pick(in_place, ps, p) == 0:
-                tcl.signal(done_ptr + ((me + W - p) % W) * P + q, base + i + 1, p, tcl.SIGNAL_SET)
+        if i < n_chunks - 1:  # the last chunk's "done" is the final signal below
+            for p in range(0, W):
+                if _pick(in_place, ps, p) == 0:
+                    tcl.signal(done_ptr + ((me + W - p) % W) * P + q, base + i + 1, p, tcl.SIGNAL_SET)
+    # finish: every writer may reuse its ring region on me and its words; my input, where readers load it
+    # in place, is free once they say they are done (a staged writer exits: its next call waits instead)
     for p in range(0, W):
         tcl.signal(done_ptr + ((me + W - p) % W) * P + q, last, p, tcl.SIGNAL_SET)
-    for k in range(0, W):
-        tcl.wait(done_ptr + k * P + q, last, tcl.CMP_GE)
-
-
+    if IN_PLACE:
+        for k in range(0, W):
+            tcl.wait(done_ptr + k * P + q, last, tcl.CMP_GE)

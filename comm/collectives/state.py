@@ -5,14 +5,16 @@ Sized once, from the world size and the GPU's SM count (or 1 program per peer on
     programs_per_peer  P: each call runs W * P programs (all_to_all, all_gather; reduce_scatter: W * P
                        output columns, each with one slot per writer, so W * W * P slots)
     chunk_bytes        bytes a program moves per step (one ring slot; reduce_scatter's: the power of two
-                       at most 1/W of it, so its W times as many slots share the same ring)
-    ring               uint8 [W * P * DEPTH * chunk_bytes] on the symmetric heap: the staging ring (pair
-                       slot pid's region on a rank is written by that slot's writer, which pushes into it)
+                       at most 1/W of it, so its W times as many slots fit a ring of the same size)
+    ring               uint8 [W * P * DEPTH * chunk_bytes] on the symmetric heap: all_to_all's and all_gather's
+                       staging ring (pair slot pid's region on a rank is written by that slot's writer, which
+                       pushes into it)
+    rs_ring            the same for reduce_scatter (a ring of its own: its writers push into it while the
+                       reader may still be in an all_to_all that reads its other ring)
     words              int64 [7 * W * P] on the heap: meta [W * P, 4] (each pair slot's header: offset,
                        count, in place, tag; stored there by the slot's writer), then the ready and done
                        signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each
-    rs_words           int64 [7 * W * W * P]: the same for reduce_scatter's slots (its own epochs; its writers
-                       keep their headers and staged chunks in their own words and ring, which the readers load)
+    rs_words           int64 [7 * W * W * P]: the same for reduce_scatter's slots (its own epochs)
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done
 
@@ -37,7 +39,7 @@ from . import _exchange as kx
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
 TABLE_SLOTS = 64
 # GPU tuning, from the sweep of `python -m tilecomm.bench self` (one H100, 2026-11-25): one program per SM,
-# 128 KiB chunks (a 34 MiB ring on 132 SMs, within L2) and 32 KiB steps (128 bytes in flight per thread).
+# 128 KiB chunks (a 34 MiB ring on 132 SMs, within L2; the default workspace, 64 MiB, holds two of 124 KiB) and 32 KiB steps (128 bytes in flight per thread).
 _GPU_PROGRAMS_PER_SM = 1
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
@@ -63,6 +65,7 @@ class CollectiveState:
     chunk_bytes: int
     block_bytes: int  # bytes per load/store step of a program
     ring: torch.Tensor
+    rs_ring: torch.Tensor
     words: torch.Tensor
     rs_words: torch.Tensor
     tables: torch.Tensor
@@ -76,6 +79,7 @@ class CollectiveState:
     _configs: dict = field(default_factory=dict)
     _max_w: int = 1
     _ring_offset: int = 0
+    _rs_ring_offset: int = 0
     _table_views: List[torch.Tensor] = field(default_factory=list)
     _table_events: List[Optional[torch.cuda.Event]] = field(default_factory=list)
     _tables_np: object = None
@@ -102,10 +106,10 @@ class CollectiveState:
             chunk = chunk_bytes or _GPU_CHUNK_BYTES
         else:
             P, chunk = 1, chunk_bytes or _CPU_CHUNK_BYTES
-        chunk = min(chunk, (workspace_bytes // (W * P * DEPTH)) // 4096 * 4096)
+        chunk = min(chunk, (workspace_bytes // (2 * W * P * DEPTH)) // 4096 * 4096)  # two rings
         require(chunk >= 4096 * W, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
-                f"collectives need at least {W * W * P * DEPTH * 4096} bytes ({W * P} programs × {DEPTH} ring slots "
-                f"× {W} × 4 KiB: reduce_scatter's slots are 1/{W} of one)", MemoryError)
+                f"collectives need at least {2 * W * W * P * DEPTH * 4096} bytes (two rings of {W * P} programs × "
+                f"{DEPTH} ring slots × {W} × 4 KiB: reduce_scatter's slots are 1/{W} of one)", MemoryError)
         slots = W * P
 
         def heap_tensor(shape, dtype):
@@ -115,6 +119,7 @@ class CollectiveState:
             return heap.view(heap.local, heap.alloc(nbytes), shape, dtype)
 
         ring = heap_tensor((slots * DEPTH * chunk,), torch.uint8)
+        rs_ring = heap_tensor((slots * DEPTH * chunk,), torch.uint8)
         words = heap_tensor((7 * slots,), torch.int64)
         words.zero_()
         rs_words = heap_tensor((7 * W * slots,), torch.int64)
@@ -122,20 +127,20 @@ class CollectiveState:
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
-        return cls(ctx, P, chunk, block_bytes, ring, words, rs_words, tables, 8 if on_gpu else 1,
+        return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
-                   _ring_offset=heap.offset_of(ring), _table_views=[tables[i] for i in range(TABLE_SLOTS)],
+                   _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring), _table_views=[tables[i] for i in range(TABLE_SLOTS)],
                    _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(), _heap_base=heap.local.data_ptr(),
                    _heap_bytes=heap.local.numel() * heap.local.element_size(), _error=ctx.device_state.error, _pairs_grid=(W * P,), _on_cpu=not on_gpu)
 
     def free(self) -> None:
         """Return the heap space (finalize does it; the state is unusable afterwards)."""
         heap = self.ctx.heap
-        for t in (self.ring, self.words, self.rs_words):
+        for t in (self.ring, self.rs_ring, self.words, self.rs_words):
             if heap.local is not None:
                 heap.release(heap.offset_of(t))
-        self.ring = self.words = self.rs_words = self._error = None
+        self.ring = self.rs_ring = self.words = self.rs_words = self._error = None
         self._heap_views = {}
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -191,8 +196,9 @@ class CollectiveState:
                               TAG=kx.op_tag(2 if gather else 1, elem))
             else:
                 op, average, in_place, acc = key[3:]
+                # a reduce step loads W writers' blocks at once: half a step (8192 bf16 elements spilled on sm_90)
                 config.update(OP=op, ACC=acc, AVG=average, IN_PLACE=in_place, MAX_W=self._max_w,
-                              TAG=kx.op_tag(3, elem))
+                              TAG=kx.op_tag(3, elem), PUSH_BLOCK=block, BLOCK=max(block // 2, 1) if self.ctx.backend == "cuda" else block)
             self._configs[key] = config
         return config
 
@@ -233,7 +239,7 @@ class CollectiveState:
         self._reduce.launch(
             (columns,), (src.dtype,) + key,
             src, out, self._heap_views[src.dtype], self.rs_words, self._error,
-            self._ring_offset // elem, in_heap_off, n, columns, **self._launch_config(key))
+            self._rs_ring_offset // elem, in_heap_off, n, columns, **self._launch_config(key))
         if self._on_cpu:
             self._raise_mismatch_now()
 
