@@ -56,6 +56,16 @@ def _accumulator(dtype: torch.dtype):
     return tl.int64
 
 
+def ring_chunk_bytes(workspace_bytes: int, slots: int, chunk_bytes: int, step_bytes: int) -> int:
+    """Bytes per ring slot: at most chunk_bytes, with two rings of `slots` x DEPTH slots within workspace_bytes,
+    a multiple of 4 KiB; below one load step (step_bytes; CPU ranks move a chunk as one step), a power of
+    two, so that a step (tl.arange: a power of two) is the whole chunk or divides it."""
+    chunk = min(chunk_bytes, (workspace_bytes // (2 * slots * DEPTH)) // 4096 * 4096)
+    if 0 < chunk < step_bytes:
+        chunk = 1 << (chunk.bit_length() - 1)
+    return chunk
+
+
 @dataclass
 class CollectiveState:
     """See the module docstring. Made by `CollectiveState.create(ctx)` (collective: every rank)."""
@@ -106,10 +116,11 @@ class CollectiveState:
             chunk = chunk_bytes or _GPU_CHUNK_BYTES
         else:
             P, chunk = 1, chunk_bytes or _CPU_CHUNK_BYTES
-        chunk = min(chunk, (workspace_bytes // (2 * W * P * DEPTH)) // 4096 * 4096)  # two rings
+        chunk = ring_chunk_bytes(workspace_bytes, W * P, chunk, block_bytes if on_gpu else chunk)
+        smallest = triton.next_power_of_2(4096 * W)
         require(chunk >= 4096 * W, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
-                f"collectives need at least {2 * W * W * P * DEPTH * 4096} bytes (two rings of {W * P} programs × "
-                f"{DEPTH} ring slots × {W} × 4 KiB: reduce_scatter's slots are 1/{W} of one)", MemoryError)
+                f"collectives need at least {2 * W * P * DEPTH * smallest} bytes (two rings of {W * P} programs × "
+                f"{DEPTH} ring slots × {smallest} bytes: reduce_scatter's slots are 1/{W} of one)", MemoryError)
         slots = W * P
 
         def heap_tensor(shape, dtype):
