@@ -39,7 +39,8 @@ from . import _exchange as kx
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
 TABLE_SLOTS = 64
 # GPU tuning, from the sweep of `python -m tilecomm.bench self` (one H100, 2026-11-25): one program per SM,
-# 128 KiB chunks (a 34 MiB ring on 132 SMs, within L2; the default workspace, 64 MiB, holds two of 124 KiB) and 32 KiB steps (128 bytes in flight per thread).
+# 128 KiB chunks (a 34 MiB ring on 132 SMs, within L2; the default workspace, 64 MiB, holds two of 124 KiB)
+# and 32 KiB steps (128 bytes in flight per thread).
 _GPU_PROGRAMS_PER_SM = 1
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
@@ -141,7 +142,8 @@ class CollectiveState:
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
-                   _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring), _table_views=[tables[i] for i in range(TABLE_SLOTS)],
+                   _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
+                   _table_views=[tables[i] for i in range(TABLE_SLOTS)],
                    _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(), _heap_base=heap.local.data_ptr(),
                    _heap_bytes=heap.local.numel() * heap.local.element_size(), _error=ctx.device_state.error, _pairs_grid=(W * P,), _on_cpu=not on_gpu)
 
@@ -209,7 +211,8 @@ class CollectiveState:
                 op, average, in_place, acc = key[3:]
                 # a reduce step loads W writers' blocks at once: half a step (8192 bf16 elements spilled on sm_90)
                 config.update(OP=op, ACC=acc, AVG=average, IN_PLACE=in_place, MAX_W=self._max_w,
-                              TAG=kx.op_tag(3, elem), PUSH_BLOCK=block, BLOCK=max(block // 2, 1) if self.ctx.backend == "cuda" else block)
+                              TAG=kx.op_tag(3, elem), PUSH_BLOCK=block,
+                              BLOCK=max(block // 2, 1) if self.ctx.backend == "cuda" else block)
             self._configs[key] = config
         return config
 
