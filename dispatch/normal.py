@@ -13,8 +13,9 @@ dispatch is three launches and one host read:
    earlier blocks' counts + its rank inside the block), then for every rank r: route/slot/weight of each
    token (-1 = no local expert) and, ONCE per token that has an expert on r, its row into r's
    rows[me, t]. Stores go through symm_at(., r), r == me included. Last program: SET ready[me] = seq on r.
-3. expand (programs: received tokens): after ready[s], the row of (s, t) is read once and written to
-   out[row_off[e, s] + slot] for each of its pairs here (local expert, then source, then token, then k).
+3. expand (programs: received tokens): after ready[s] (only the sources of the program's own tokens), the
+   row of (s, t) is read once and written to out[row_off[e, s] + slot] for each of its pairs here (local
+   expert, then source, then token, then k).
    Last program: SET consumed[me] = seq on every s.
 
 Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
@@ -258,8 +259,12 @@ def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, 
                    K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr):
     me = tcl.rank()
-    wait_all(ready_ptr, seq, W)
     i, i_ok, src, t = _received(plan_ptr, W, BT, BLOCK_T)
+    # wait only for the sources of this program's tokens (one on GPUs): the rows of a rank whose send is done
+    # are expanded while a slower rank's send still runs
+    for r in range(0, W):
+        if tl.max((i_ok & (src == r)).to(tl.int32), axis=0) > 0:
+            tcl.wait(ready_ptr + r, seq, tcl.CMP_GE)
     kk = tl.arange(0, BLOCK_K)
     pm = i_ok[:, None] & (kk < K)[None, :]
     if FROM_META:  # output row = first row of (expert, source) + the pair's slot
