@@ -137,6 +137,7 @@ CASES = {
 }
 
 
+@pytest.mark.timeout(600)  # on GPUs the first case compiles every fp64 kernel of two configs (~90 s each on one core)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fused_moe_matches_unfused(ranks, world):
     ranks(world).run(functional_body, CASES[world])
