@@ -285,6 +285,14 @@ def _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, s, length, MASKED: tl.co
         tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty))
 
 
+@jit
+def _push_chunk(heap_ptr, in_ptr, dst, ring_at, n, c, chunk, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """reduce_scatter: elements c .. c + chunk of my input's block for dst (in[dst * n + c ...]) into dst's
+    ring at element offset ring_at (stores over NVLink)."""
+    _copy(heap_ptr, _peer_delta(heap_ptr, dst) + ring_at, in_ptr, dst.to(tl.int64) * n + c, tl.minimum(chunk, n - c),
+          BLOCK, VEC)
+
+
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n", "P"])
 def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
@@ -314,8 +322,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
             tcl.wait(done_ptr + slot, base - 1, tcl.CMP_GE)
         if not IN_PLACE:
             if n_chunks > 0:
-                _copy(heap_ptr, _peer_delta(heap_ptr, dst) + ring_off + slot * DEPTH * CHUNK, in_ptr,
-                      dst.to(tl.int64) * n64 + c0, tl.minimum(chunk, n64 - c0), PUSH_BLOCK, VEC)
+                _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK, n64, c0, chunk, PUSH_BLOCK, VEC)
         _publish(tcl.symm_at(meta_ptr, dst), ready_ptr, slot, dst, in_heap_off + dst.to(tl.int64) * n64, n64,
                  IN_PLACE, TAG, base + (n_chunks > 0).to(tl.int64) * (1 - IN_PLACE))
     for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
@@ -339,9 +346,8 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
                     slot = k * P + q
                     if i + 1 >= DEPTH:  # the reader must be done with what this ring slot held
                         tcl.wait(done_ptr + slot, base + i + 2 - DEPTH, tcl.CMP_GE)
-                    _copy(heap_ptr, _peer_delta(heap_ptr, dst) + ring_off + slot * DEPTH * CHUNK
-                          + ((i + 1) % DEPTH) * CHUNK, in_ptr, dst.to(tl.int64) * n64 + c_next,
-                          tl.minimum(chunk, n64 - c_next), PUSH_BLOCK, VEC)
+                    _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK + ((i + 1) % DEPTH) * CHUNK,
+                                n64, c_next, chunk, PUSH_BLOCK, VEC)
                     tcl.signal(ready_ptr + slot, base + i + 2, dst, tcl.SIGNAL_SET)
         for p in range(0, W):  # staged writers: their chunk i is in my ring
             if _pick(in_place, ps, p) == 0:
