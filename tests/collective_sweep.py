@@ -1,0 +1,101 @@
+"""The collectives' tuning knobs at world W, beside NCCL (a diagnostic, not a test):
+
+    torchrun --nproc-per-node 4 tests/collective_sweep.py [--configs "1/128/32,2/64/32"]
+
+Each config is programs per SM / ring chunk KiB / load-store step KiB: the runtime's CollectiveState is
+replaced by one made with those knobs (and a workspace that holds two rings of that chunk), every case is
+checked against NCCL's result once, then timed (µs per call, 50 calls back to back, the slowest rank's).
+The defaults in comm/collectives/state.py came from a world-1 sweep; this one says whether they hold
+where the link is involved. Rank 0 prints one row per (case, config) and NCCL's time beside it.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import tilecomm
+from tilecomm.bench import measure
+from tilecomm.collectives.state import DEPTH, CollectiveState
+
+CASES = [("all_to_all", (4096, 7168)), ("all_to_all", (128, 7168)), ("all_gather", (8192, 8192)),
+         ("reduce_scatter", (8192, 8192))]
+DEFAULT_CONFIGS = "1/128/32,1/100/32,1/96/32,1/64/32,1/256/32,1/128/16,1/128/64,2/64/32,2/128/32"
+
+
+def _tensors(op, shape, world):
+    rows, cols = shape
+    part = (rows // world, cols)
+    in_shape, out_shape = {"all_to_all": (shape, shape), "all_gather": (part, shape),
+                           "reduce_scatter": (shape, part)}[op]
+    return torch.randn(in_shape, device="cuda").to(torch.bfloat16), torch.empty(out_shape, dtype=torch.bfloat16,
+                                                                                 device="cuda")
+
+
+def _slowest(us: float) -> float:
+    t = torch.tensor([us], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    tilecomm.init(heap_bytes=2 << 30)
+    ctx = tilecomm.current()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ours = {"all_to_all": tilecomm.all_to_all_single, "all_gather": tilecomm.all_gather_into_tensor,
+            "reduce_scatter": tilecomm.reduce_scatter_tensor}
+    theirs = {"all_to_all": dist.all_to_all_single, "all_gather": dist.all_gather_into_tensor,
+              "reduce_scatter": dist.reduce_scatter_tensor}
+    tensors = {case: _tensors(case[0], case[1], world) for case in CASES}
+    nccl = {}
+    for case in CASES:
+        x, out = tensors[case]
+        dist.barrier()
+        nccl[case] = _slowest(measure.per_call_us(lambda: theirs[case[0]](out, x)))
+    if rank == 0:
+        print(f"world {world}: µs per call (slowest rank, 50 calls back to back); config = programs per SM / "
+              f"chunk KiB / step KiB", flush=True)
+    default = ctx.collectives
+    sms = torch.cuda.get_device_properties(local).multi_processor_count
+    for config in args.configs.split(","):
+        per_sm, chunk_k, block_k = (int(v) for v in config.split("/"))
+        slots = world * max(1, per_sm * sms // world)
+        workspace = 2 * slots * DEPTH * (chunk_k << 10)
+        ctx.collectives = CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10)
+        torch.cuda.synchronize()
+        dist.barrier()  # every rank's words are zeroed before a peer signals them
+        try:
+            for case in CASES:
+                x, out = tensors[case]
+                ref = torch.empty_like(out)
+                theirs[case[0]](ref, x)
+                ours[case[0]](out, x)
+                torch.cuda.synchronize()
+                tilecomm.check_errors()
+                bad = int(not torch.equal(out, ref)) if case[0] != "reduce_scatter" else \
+                    int(not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=5e-2))
+                t = torch.tensor([bad], device="cuda")
+                dist.all_reduce(t)
+                dist.barrier()
+                us = _slowest(measure.per_call_us(lambda: ours[case[0]](out, x)))
+                if rank == 0:
+                    label = f"{case[0]} {case[1][0]}x{case[1][1]}"
+                    print(f"{label:<28} {config:<10} chunk {ctx.collectives.chunk_bytes >> 10:4d}K  tilecomm {us:8.1f}  "
+                          f"nccl {nccl[case]:8.1f}  ratio {nccl[case] / us:5.2f}{'  WRONG on %d ranks' % t.item() if t.item() else ''}",
+                          flush=True)
+        finally:
+            ctx.collectives.free()
+            ctx.collectives = default
+    tilecomm.check_errors()
+    tilecomm.finalize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
