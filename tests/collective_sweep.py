@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 tests/collective_sweep.py [--configs "1/128/32,2/64/32"]
 
-Each config is programs per SM / ring chunk KiB / load-store step KiB: the runtime's CollectiveState is
+Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth]: the runtime's CollectiveState is
 replaced by one made with those knobs (and a workspace that holds two rings of that chunk), every case is
 checked against NCCL's result once, then timed (µs per call, 50 calls back to back, the slowest rank's).
 The defaults in comm/collectives/state.py came from a world-1 sweep; this one says whether they hold
@@ -20,7 +20,7 @@ from tilecomm.collectives.state import DEPTH, CollectiveState
 
 CASES = [("all_to_all", (4096, 7168)), ("all_to_all", (128, 7168)), ("all_gather", (8192, 8192)),
          ("reduce_scatter", (8192, 8192))]
-DEFAULT_CONFIGS = "1/128/32,1/100/32,1/96/32,1/64/32,1/256/32,1/128/16,1/128/64,2/64/32,2/128/32"
+DEFAULT_CONFIGS = "1/128/32,1/124/32,1/128/16,1/256/32,2/128/32,2/128/16,1/128/32/4,1/256/32/4,1/512/32"
 
 
 def _tensors(op, shape, world):
@@ -64,10 +64,10 @@ def main():
     default = ctx.collectives
     sms = torch.cuda.get_device_properties(local).multi_processor_count
     for config in args.configs.split(","):
-        per_sm, chunk_k, block_k = (int(v) for v in config.split("/"))
+        per_sm, chunk_k, block_k, depth = ([int(v) for v in config.split("/")] + [DEPTH])[:4]
         slots = world * max(1, per_sm * sms // world)
-        workspace = 2 * slots * DEPTH * (chunk_k << 10)
-        ctx.collectives = CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10)
+        workspace = 2 * slots * depth * (chunk_k << 10)
+        ctx.collectives = CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth)
         torch.cuda.synchronize()
         dist.barrier()  # every rank's words are zeroed before a peer signals them
         try:

@@ -57,11 +57,11 @@ def _accumulator(dtype: torch.dtype):
     return tl.int64
 
 
-def ring_chunk_bytes(workspace_bytes: int, slots: int, chunk_bytes: int, step_bytes: int) -> int:
-    """Bytes per ring slot: at most chunk_bytes, with two rings of `slots` x DEPTH slots within workspace_bytes,
+def ring_chunk_bytes(workspace_bytes: int, slots: int, chunk_bytes: int, step_bytes: int, depth: int = DEPTH) -> int:
+    """Bytes per ring slot: at most chunk_bytes, with two rings of `slots` x depth slots within workspace_bytes,
     a multiple of 4 KiB; below one load step (step_bytes; CPU ranks move a chunk as one step), a power of
     two, so that a step (tl.arange: a power of two) is the whole chunk or divides it."""
-    chunk = min(chunk_bytes, (workspace_bytes // (2 * slots * DEPTH)) // 4096 * 4096)
+    chunk = min(chunk_bytes, (workspace_bytes // (2 * slots * depth)) // 4096 * 4096)
     if 0 < chunk < step_bytes:
         chunk = 1 << (chunk.bit_length() - 1)
     return chunk
@@ -81,6 +81,7 @@ class CollectiveState:
     rs_words: torch.Tensor
     tables: torch.Tensor
     num_warps: int
+    depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment), the ring's heap offset, the split
     # tables' slots (views, the event of the call that last used each, a NumPy view to fill them)
@@ -107,8 +108,8 @@ class CollectiveState:
 
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
-               block_bytes: int = _BLOCK_BYTES) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes: the tuning knobs (GPU; the benchmark sweeps them)."""
+               block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes, depth: the tuning knobs (GPU; the benchmarks sweep them)."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
         if on_gpu:
@@ -117,11 +118,11 @@ class CollectiveState:
             chunk = chunk_bytes or _GPU_CHUNK_BYTES
         else:
             P, chunk = 1, chunk_bytes or _CPU_CHUNK_BYTES
-        chunk = ring_chunk_bytes(workspace_bytes, W * P, chunk, block_bytes if on_gpu else chunk)
+        chunk = ring_chunk_bytes(workspace_bytes, W * P, chunk, block_bytes if on_gpu else chunk, depth)
         smallest = triton.next_power_of_2(4096 * W)
         require(chunk >= 4096 * W, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
-                f"collectives need at least {2 * W * P * DEPTH * smallest} bytes (two rings of {W * P} programs × "
-                f"{DEPTH} ring slots × {smallest} bytes: reduce_scatter's slots are 1/{W} of one)", MemoryError)
+                f"collectives need at least {2 * W * P * depth * smallest} bytes (two rings of {W * P} programs × "
+                f"{depth} ring slots × {smallest} bytes: reduce_scatter's slots are 1/{W} of one)", MemoryError)
         slots = W * P
 
         def heap_tensor(shape, dtype):
@@ -130,8 +131,8 @@ class CollectiveState:
                 nbytes *= s
             return heap.view(heap.local, heap.alloc(nbytes), shape, dtype)
 
-        ring = heap_tensor((slots * DEPTH * chunk,), torch.uint8)
-        rs_ring = heap_tensor((slots * DEPTH * chunk,), torch.uint8)
+        ring = heap_tensor((slots * depth * chunk,), torch.uint8)
+        rs_ring = heap_tensor((slots * depth * chunk,), torch.uint8)
         words = heap_tensor((7 * slots,), torch.int64)
         words.zero_()
         rs_words = heap_tensor((7 * W * slots,), torch.int64)
@@ -139,7 +140,7 @@ class CollectiveState:
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
-        return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1,
+        return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
@@ -201,7 +202,7 @@ class CollectiveState:
             rs_bytes = 1 << ((self.chunk_bytes // self.ctx.world_size).bit_length() - 1)
             chunk = (self.chunk_bytes if kernel == "pairs" else rs_bytes) // elem
             block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
-            config = dict(CHUNK=chunk, DEPTH=DEPTH, BLOCK=block, VEC=16 // elem if aligned else 1,
+            config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
                           num_warps=self.num_warps)
             if kernel == "pairs":
                 even, gather, in_place = key[3:]

@@ -199,9 +199,15 @@ def _compare(cur, value, cmp: tl.constexpr):
 @triton.jit
 def _copy(dst, src, nelems, CACHE: tl.constexpr):
     """One program copies nelems elements, COPY_BLOCK per step (16-byte vectors where the compiler can
-    prove both pointers aligned, as for heap tensors indexed by multiples of 16 bytes)."""
-    for start in range(0, nelems, COPY_BLOCK):
-        offs = start + tl.arange(0, COPY_BLOCK)
+    prove both pointers aligned, as for heap tensors indexed by multiples of 16 bytes). Whole steps go
+    unmasked: a mask `offs < nelems` of unknown divisibility makes every access scalar; only the last step
+    is masked."""
+    full = nelems // COPY_BLOCK * COPY_BLOCK
+    for start in range(0, full, COPY_BLOCK):
+        offs = tl.multiple_of(start, COPY_BLOCK) + tl.arange(0, COPY_BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, cache_modifier=CACHE))
+    if full < nelems:
+        offs = full + tl.arange(0, COPY_BLOCK)
         mask = offs < nelems
         tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=CACHE), mask=mask)
 
