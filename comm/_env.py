@@ -7,7 +7,7 @@
 |                           |           | device-side spins, host barriers and object exchanges, the     |
 |                           |           | rendezvous and process groups of RankPool / RANK/WORLD_SIZE    |
 |                           |           | starts, RankPool joins (a finite number > 0)                   |
-| TILECOMM_HEAP_BYTES       | 256 MiB   | size of each rank's symmetric heap                             |
+| TILECOMM_HEAP_BYTES       | 1 GiB GPU | size of each rank's symmetric heap (256 MiB on CPU ranks)      |
 | TILECOMM_WORKSPACE_BYTES  | 1/4 heap  | staging space the collectives keep on the heap                 |
 | TILECOMM_CHECK            | 0         | 1: GPU kernels check every tcl.put/get/symm_at/signal PE and    |
 |                           |           | heap address (CPU ranks always do); read once at import         |
@@ -76,8 +76,10 @@ def timeout_s(environ: Optional[Mapping[str, str]] = None) -> float:
     return check_timeout(raw.strip() if isinstance(raw, str) else raw, "TILECOMM_TIMEOUT_S")
 
 
-def heap_bytes() -> int:
-    return _parse_bytes("TILECOMM_HEAP_BYTES", 256 * _MIB)
+def heap_bytes(on_gpu: bool = True) -> int:
+    """GPUs: 1 GiB, whose quarter (the collectives' workspace) holds two rings of full chunks for two programs
+    per SM (collectives/state.py); CPU ranks: 256 MiB of shared memory."""
+    return _parse_bytes("TILECOMM_HEAP_BYTES", (1024 if on_gpu else 256) * _MIB)
 
 
 def workspace_bytes(heap: int) -> int:

@@ -90,7 +90,7 @@ def init(backend: str = "auto", heap_bytes: Optional[int] = None, timeout_s: Opt
     if _CTX is not None:
         return _CTX
     chosen = _choose_backend(backend)
-    nbytes = heap_bytes if heap_bytes is not None else _env.heap_bytes()
+    nbytes = heap_bytes if heap_bytes is not None else _env.heap_bytes(chosen == "cuda")
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise ValueError(f"tilecomm.init: heap_bytes={heap_bytes!r}; expected a positive int")
     limit = _env.check_timeout(timeout_s, "tilecomm.init: timeout_s") if timeout_s is not None else _env.timeout_s()

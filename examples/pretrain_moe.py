@@ -106,9 +106,10 @@ def dispatcher_kind(args, world: int) -> str:
 
 def heap_bytes(args, world: int, device_type: str) -> int:
     """Symmetric heap per rank: room for the MoE layers' one set of dispatcher buffers beside the runtime's own
-    (tilecomm.heap_bytes_for); at least TILECOMM_HEAP_BYTES (default 256 MiB)."""
+    (tilecomm.heap_bytes_for); at least TILECOMM_HEAP_BYTES (default 1 GiB on GPUs, 256 MiB on CPU ranks)."""
     need = dispatcher_heap_bytes(moe_config(args), dispatcher_kind(args, world), world, tokens_dtype(args, device_type))
-    return max(int(os.environ.get("TILECOMM_HEAP_BYTES", 256 << 20)), tilecomm.heap_bytes_for(need))
+    default = (1 << 30) if device_type == "cuda" else 256 << 20
+    return max(int(os.environ.get("TILECOMM_HEAP_BYTES", default)), tilecomm.heap_bytes_for(need))
 
 
 def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_group=None):

@@ -462,3 +462,20 @@ def test_ring_steps_are_powers_of_two_for_any_workspace(backend):
                         steps = [c["BLOCK"]] + ([c["PUSH_BLOCK"]] if "PUSH_BLOCK" in c else [])
                         assert all(pow2(b) and b <= c["CHUNK"] for b in steps), (W, slots, workspace, elem, key, c)
                         assert c["CHUNK"] * elem * (W if key[0] == "reduce" else 1) <= chunk
+
+
+def test_two_programs_per_sm_only_where_the_workspace_holds_their_rings():
+    """Two programs per SM need two rings of 2 * SMs * DEPTH whole chunks; a smaller workspace gets one program
+    per SM (with whole chunks if they fit), never two with smaller chunks."""
+    from tilecomm.collectives import state as st
+
+    chunk, step = st._GPU_CHUNK_BYTES, st._BLOCK_BYTES
+    for sms in (132, 78, 148):
+        for W in (2, 3, 4, 8):
+            one, two = max(1, sms // W), max(1, 2 * sms // W)
+            need_two = 2 * W * two * st.DEPTH * chunk
+            for workspace in (need_two, need_two - 4096, need_two // 2, 16 << 20, 1 << 30):
+                P = st.programs_per_peer(sms, W, 2, workspace, chunk, step)
+                assert P == (two if workspace >= need_two else one), (sms, W, workspace, P)
+                assert st.programs_per_peer(sms, W, 1, workspace, chunk, step) == one
+    assert st.programs_per_peer(132, 4, 2, 256 << 20, chunk, step) == 66  # the default GPU heap's quarter

@@ -121,9 +121,9 @@ def test_pretrain_sizes_the_heap_for_its_dispatchers(monkeypatch):
             need = dispatcher_heap_bytes(cfg, dispatcher, world, torch.bfloat16)
             heap = example.heap_bytes(args, world, "cuda")
             assert heap - _env.workspace_bytes(heap) >= need and heap % (2 << 20) == 0
-            default = 256 << 20
-            assert (need > default - _env.workspace_bytes(default)) == (dispatcher != "nccl")  # the default failed
-            assert (heap > default) == (dispatcher != "nccl")
+            old = 256 << 20  # the GPU default until 2026-11-26
+            assert (need > old - _env.workspace_bytes(old)) == (dispatcher != "nccl")  # it failed
+            assert heap >= _env.heap_bytes(on_gpu=True) == 1 << 30 and example.heap_bytes(args, world, "cpu") >= 256 << 20
     monkeypatch.setenv("TILECOMM_HEAP_BYTES", str(64 << 30))  # a larger heap asked for is kept
     assert example.heap_bytes(argparse.Namespace(preset="h200x4", dispatcher="fused", seed=0, precision="auto"), 2,
                               "cuda") == 64 << 30

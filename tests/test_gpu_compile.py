@@ -36,11 +36,20 @@ def compiled():
     return {t: _rows(p) for t, p in procs.items()}
 
 
+def _two_programs_per_sm(rows: dict) -> None:
+    """The collectives run two 256-thread programs per SM (collectives/state.py): at most 128 registers a thread,
+    no local memory. (A masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
+    registers and 136 bytes of local memory.)"""
+    for kernel in ("_exchange._pairs_kernel", "_exchange._reduce_kernel"):
+        assert rows[kernel]["regs"] <= 128 and rows[kernel]["local_bytes"] == 0, rows[kernel]
+
+
 def test_kernels_compile_for_sm90_nvlink_transport(compiled):
     rows = compiled["nvlink"]
     assert all(r["cubin_bytes"] > 0 for r in rows.values())
     assert rows["_exchange._pairs_kernel"]["release_sys_atomic"]  # signal: release at system scope
     assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_exchange._reduce_kernel"]["vector_16B"]
+    _two_programs_per_sm(rows)
     assert rows["team._release_kernel"]["release_sys_atomic"]  # to PEs read from the team's table
     assert rows["test_language._wait_cmp_kernel"]["acquire_sys"] and rows["test_language._wait_cmp_kernel"]["globaltimer"]
     assert rows["test_language._symm_store_kernel"]["state_addr_inlined"]
@@ -57,6 +66,7 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
 def test_kernels_compile_for_sm90_nvshmem_transport(compiled):
     rows = compiled["nvshmem"]
     assert rows["_exchange._pairs_kernel"]["nvshmem_calls"] and rows["test_language._put_ring_kernel"]["nvshmem_calls"]
+    _two_programs_per_sm(rows)
     # a one-word signal is issued by one thread (each thread's SIGNAL_ADD added num_warps * 32 times on 2 H200s)
     assert rows["test_language._add_kernel"]["nvshmem_calls"] and rows["test_language._add_kernel"]["thread0_guard"]
 

@@ -95,7 +95,7 @@ def _heap_bytes(cfg: Config, world: int) -> int:
     from .. import _env
 
     cases = [make_case(cfg.op, s, cfg.dtype, world) for s in cfg.shapes]
-    return max(_env.heap_bytes(), heap_bytes_needed(cases))
+    return max(_env.heap_bytes(torch.cuda.is_available()), heap_bytes_needed(cases))
 
 
 def _in_process(cfg: Config, backend: str, heap: int, body=run_rank) -> None:

@@ -118,8 +118,9 @@ def _make_uneven(case: Case, world: int, rank: int) -> Tuple[Case, dict]:
 
 
 def heap_bytes_needed(cases: List[Case]) -> int:
-    """Heap for the largest input: the staging workspace is 1/4 of the heap and must hold it
-    (or, with --symmetric, the other 3/4 must), plus slack for the collectives' small tables."""
+    """Heap for the largest input: with --symmetric the 3/4 of the heap beside the collectives' workspace must hold
+    it (staged inputs stream through the workspace, whatever their size), plus slack; callers take at least the
+    default heap, whose workspace holds the collectives' tuned rings."""
     biggest = max(math.prod(c.in_shape) * c.dtype.itemsize for c in cases) * 3 // 2  # (--uneven: up to 1.5x)
     return 4 * biggest + 16 * _MIB
 

@@ -90,7 +90,7 @@ def heap_bytes(cfg: DispatchConfig, world: int) -> int:
     if cfg.mode == "low_latency":
         need += symmetric_bytes(low_latency_specs(world, cfg.experts, cfg.tokens, cfg.topk, cfg.hidden,
                                                   _DTYPES[cfg.dtype]))
-    return max(_env.heap_bytes(), need)
+    return max(_env.heap_bytes(torch.cuda.is_available()), need)
 
 
 def _inputs(cfg: DispatchConfig, device: torch.device):

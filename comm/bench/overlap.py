@@ -89,7 +89,7 @@ def heap_bytes(cfg: OverlapConfig, world: int) -> int:
 
     elem = _DTYPES[cfg.dtype].itemsize
     need = sum(M * (K if cfg.op == "ag_gemm" else N) * elem for M, K, N in cfg.shapes)
-    return max(_env.heap_bytes(), 2 * need + 64 * _MIB)
+    return max(_env.heap_bytes(torch.cuda.is_available()), 2 * need + 64 * _MIB)
 
 
 def _problem(op: str, shape, dt: torch.dtype, device: torch.device) -> Dict[str, Callable]:

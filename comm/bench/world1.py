@@ -184,9 +184,9 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
         t.add(f"all_to_all_single {s['small']}x{s['hidden']} [Triton launch path]",
               lambda: tilecomm.all_to_all_single(out, x), lambda: floor_out.copy_(x))
         CachedLaunch.enabled = True
-        # the defaults came from a sweep of (programs per SM, chunk, block) on an H100 (BENCHMARKS.md);
-        # one alternative stays in the table as a check that they still win
-        _sweep(t, s, dtype, ctx.device, [(2, 128 << 10, 32 << 10)])
+        # the defaults came from a sweep of (programs per SM, chunk, block) on 4 H200s (tests/collective_sweep.py);
+        # one program per SM, the world-1 sweep's choice (H100, 2026-11-25), stays in the table beside them
+        _sweep(t, s, dtype, ctx.device, [(1, 128 << 10, 32 << 10)])
         _host_profile(s, dtype, ctx.device)
     try:
         for row in dispatch_bench.self_rows(iters):  # checked against torch first, then timed like the rows above

@@ -46,8 +46,9 @@ all_to_all's reader and a reduce-scatter's writer use different slots, so nothin
 
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
 call or at the end of the previous call, so the Triton interpreter (programs one after another) never
-deadlocks, and on GPUs the grid is at most one program per SM, hence co-resident. Every wait has the
-runtime's timeout.
+deadlocks, and on GPUs the grid is co-resident: at most two programs per SM, and both kernels keep to 128
+registers a thread so that two 256-thread programs fit an SM (tests/test_gpu_compile.py checks it). Every
+wait has the runtime's timeout.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """`CollectiveState`: everything the collectives keep between calls, created once by `tilecomm.init`.
 
-Sized once, from the world size and the GPU's SM count (or 1 program per peer on CPU ranks):
+Sized once, from the world size, the GPU's SM count and the workspace (or 1 program per peer on CPU ranks):
 
-    programs_per_peer  P: each call runs W * P programs (all_to_all, all_gather; reduce_scatter: W * P
+    programs_per_peer  P: two programs per SM where the workspace holds their rings (`programs_per_peer()`);
+                       each call runs W * P programs (all_to_all, all_gather; reduce_scatter: W * P
                        output columns, each with one slot per writer, so W * W * P slots)
     chunk_bytes        bytes a program moves per step (one ring slot; reduce_scatter's: the power of two
                        at most 1/W of it, so its W times as many slots fit a ring of the same size)
@@ -38,10 +39,13 @@ from . import _exchange as kx
 
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
 TABLE_SLOTS = 64
-# GPU tuning, from the sweep of `python -m tilecomm.bench self` (one H100, 2026-11-25): one program per SM,
-# 128 KiB chunks (a 34 MiB ring on 132 SMs, within L2; the default workspace, 64 MiB, holds two of 124 KiB)
-# and 32 KiB steps (128 bytes in flight per thread).
-_GPU_PROGRAMS_PER_SM = 1
+# GPU tuning, from tests/collective_sweep.py on 4 H200s (2026-11-26 afternoon, BENCHMARKS.md): two programs
+# per SM (both kernels keep to 128 registers a thread, so two 256-thread programs share an SM's registers),
+# 128 KiB chunks and 32 KiB steps (128 bytes in flight per thread). Against one program per SM: all_to_all
+# 4096x7168 149 vs 166 µs, all_gather 8192^2 331 vs 353, reduce_scatter 429 vs 535 (NCCL 170, 357, 351).
+# Two rings of 2 x 132 x DEPTH such chunks take 132 MiB of the workspace (the default GPU heap, 1 GiB, keeps
+# a quarter of itself for them); a smaller workspace gets one program per SM before it gets smaller chunks.
+_GPU_PROGRAMS_PER_SM = 2
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
 _BLOCK_BYTES = 32 << 10
@@ -65,6 +69,18 @@ def ring_chunk_bytes(workspace_bytes: int, slots: int, chunk_bytes: int, step_by
     if 0 < chunk < step_bytes:
         chunk = 1 << (chunk.bit_length() - 1)
     return chunk
+
+
+def programs_per_peer(sms: int, world: int, programs_per_sm: int, workspace_bytes: int, chunk_bytes: int,
+                      step_bytes: int, depth: int = DEPTH) -> int:
+    """P (the grid is world * P programs): programs_per_sm per SM where the workspace holds two rings of whole
+    chunks for them, else the most programs per SM (at least one) that it does hold them for; with none,
+    one per SM (and chunks as large as fit)."""
+    for per_sm in range(programs_per_sm, 0, -1):
+        P = max(1, per_sm * sms // world)
+        if per_sm == 1 or ring_chunk_bytes(workspace_bytes, world * P, chunk_bytes, step_bytes, depth) == chunk_bytes:
+            return P
+    return 1
 
 
 @dataclass
@@ -114,8 +130,8 @@ class CollectiveState:
         on_gpu = ctx.backend == "cuda"
         if on_gpu:
             sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-            P = max(1, programs_per_sm * sms // W)  # a few programs per SM at most: the grid is co-resident
             chunk = chunk_bytes or _GPU_CHUNK_BYTES
+            P = programs_per_peer(sms, W, programs_per_sm, workspace_bytes, chunk, block_bytes, depth)
         else:
             P, chunk = 1, chunk_bytes or _CPU_CHUNK_BYTES
         chunk = ring_chunk_bytes(workspace_bytes, W * P, chunk, block_bytes if on_gpu else chunk, depth)
