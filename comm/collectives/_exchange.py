@@ -45,10 +45,12 @@ its previous collective: two pairs calls in a row are kept apart by the per-slot
 all_to_all's reader and a reduce-scatter's writer use different slots, so nothing orders them.
 
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
-call or at the end of the previous call, so the Triton interpreter (programs one after another) never
-deadlocks, and on GPUs the grid is co-resident: at most two programs per SM, and both kernels keep to 128
-registers a thread so that two 256-thread programs fit an SM (tests/test_gpu_compile.py checks it). Every
-wait has the runtime's timeout.
+call or at the end of the previous call, and a pid is the order in which the program started on its rank
+(`_started_index`), so the running programs are always the lowest pids on each rank: the Triton interpreter
+(programs one after another) never deadlocks, nor does a GPU grid that is not co-resident (another kernel
+holds some SMs, or more programs than fit). The default grid fits: two programs per SM, and both kernels keep
+to 128 registers a thread so that two 256-thread programs share an SM (tests/test_gpu_compile.py checks it).
+Every wait has the runtime's timeout.
 """
 from __future__ import annotations
 
@@ -165,9 +167,21 @@ def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base, TAG: t
 
 @jit
 def _words(words_ptr, P):
-    """The state's int64 words (CollectiveState): meta [S, 4], ready [S], done [S], epochs [S]; S = W * P."""
+    """The state's int64 words (CollectiveState): meta [S, 4], ready [S], done [S], epochs [S], then the ticket
+    counter; S = W * P."""
     S = tcl.num_ranks() * P
-    return words_ptr, words_ptr + 4 * S, words_ptr + 5 * S, words_ptr + 6 * S
+    return words_ptr, words_ptr + 4 * S, words_ptr + 5 * S, words_ptr + 6 * S, words_ptr + 7 * S
+
+
+@jit
+def _started_index(ticket_ptr):
+    """This program's index in the call: the order in which the call's programs *start* on this rank (a ticket
+    counter, taken modulo the grid: a call's programs all take theirs before the next call's start), not
+    tl.program_id. So the programs running on a rank are always the call's lowest indices, whatever order the
+    GPU starts them in, and as a program waits only for programs of its own index on other ranks, the lowest
+    unfinished index always runs everywhere: a grid that does not fit the GPU at once, or shares it with
+    another kernel, still finishes (with block indices, 3 programs per SM hung on 4 H200s, 2026-11-26)."""
+    return (tl.atomic_add(ticket_ptr, 1, sem="relaxed") % tl.num_programs(0)).to(tl.int32)
 
 
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n_even", "P"])
@@ -183,8 +197,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     in_ptr = in_ptr.to(tl.pointer_type(MOVE))
     out_ptr = out_ptr.to(tl.pointer_type(MOVE))
     heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
-    meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
-    pid = tl.program_id(0)
+    meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
+    pid = _started_index(ticket_ptr)
     k = pid // P
     q = pid % P
     me = tcl.rank()
@@ -313,8 +327,8 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     writer, slot k * P + q is mine towards the reader me + k: its header and, staged, my chunks pushed into
     that reader's ring. As a reader, slot k * P + q holds the writer me - k's. BLOCK: elements per reduce step
     (W writers' blocks loaded at once), PUSH_BLOCK: per push step."""
-    meta_ptr, ready_ptr, done_ptr, epoch_ptr = _words(words_ptr, P)
-    q = tl.program_id(0)
+    meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
+    q = _started_index(ticket_ptr)
     me = tcl.rank()
     W = tcl.num_ranks()
     e = tl.load(epoch_ptr + q) + 1

@@ -12,10 +12,11 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
                        pushes into it)
     rs_ring            the same for reduce_scatter (a ring of its own: its writers push into it while the
                        reader may still be in an all_to_all that reads its other ring)
-    words              int64 [7 * W * P] on the heap: meta [W * P, 4] (each pair slot's header: offset,
+    words              int64 [7 * W * P + 1] on the heap: meta [W * P, 4] (each pair slot's header: offset,
                        count, in place, tag; stored there by the slot's writer), then the ready and done
-                       signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each
-    rs_words           int64 [7 * W * W * P]: the same for reduce_scatter's slots (its own epochs)
+                       signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each,
+                       then a ticket counter (each program's index: the order programs start, _exchange.py)
+    rs_words           int64 [7 * W * W * P + 1]: the same for reduce_scatter's slots (its own epochs)
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done
 
@@ -149,9 +150,9 @@ class CollectiveState:
 
         ring = heap_tensor((slots * depth * chunk,), torch.uint8)
         rs_ring = heap_tensor((slots * depth * chunk,), torch.uint8)
-        words = heap_tensor((7 * slots,), torch.int64)
+        words = heap_tensor((7 * slots + 1,), torch.int64)
         words.zero_()
-        rs_words = heap_tensor((7 * W * slots,), torch.int64)
+        rs_words = heap_tensor((7 * W * slots + 1,), torch.int64)
         rs_words.zero_()
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
