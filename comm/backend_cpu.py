@@ -17,6 +17,7 @@ import torch
 from .bootstrap import Bootstrap
 from .error_record import ErrorRecord
 from .heap import SymmetricHeap
+from .language import abi
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -93,7 +94,7 @@ class CpuDeviceState(ErrorRecord):
         self.ctrl.zero_()
         self.deltas = torch.tensor([p.data_ptr() - heap.base for p in heap.peers], dtype=torch.int64)
         self.timeout_s = ctx.timeout_s
-        super().__init__(torch.zeros(8, dtype=torch.int64))
+        super().__init__(torch.zeros(abi.ERROR_WORDS, dtype=torch.int64))
         ctx.boot.barrier("tilecomm.init")
 
 

@@ -18,7 +18,7 @@ import triton
 from . import _env
 from .error_record import ErrorRecord
 from .heap import SymmetricHeap
-from .language import _gpu
+from .language import _gpu, abi
 
 MAX_RANKS = 1024
 _PROCESS_BLOCKS = {}  # device index -> (state tensor, pinned error words); live for the process
@@ -80,7 +80,7 @@ def create_heap(boot, nbytes: int) -> SymmetricHeap:
 
 
 class CudaDeviceState(ErrorRecord):
-    """The device-state block of comm/language/_gpu.py plus the pinned error record."""
+    """The device-state block (its words: abi.STATE_*) plus the pinned error record (abi.ERROR_WORDS)."""
 
     FLAGS_OFFSET = 8
 
@@ -89,8 +89,8 @@ class CudaDeviceState(ErrorRecord):
             raise ValueError(f"tilecomm cuda backend: world size {ctx.world_size} > {MAX_RANKS}")
         dev = torch.cuda.current_device()
         if dev not in _PROCESS_BLOCKS:
-            _PROCESS_BLOCKS[dev] = (torch.zeros(8 + MAX_RANKS, dtype=torch.int64, device="cuda"),
-                                    torch.zeros(8, dtype=torch.int64, pin_memory=True))
+            _PROCESS_BLOCKS[dev] = (torch.zeros(abi.StateWord.PEER_BASES + MAX_RANKS, dtype=torch.int64, device="cuda"),
+                                    torch.zeros(abi.ERROR_WORDS, dtype=torch.int64, pin_memory=True))
         self.state, words = _PROCESS_BLOCKS[dev]
         super().__init__(words)
         heap = ctx.heap
@@ -102,10 +102,13 @@ class CudaDeviceState(ErrorRecord):
             bases = [0] * len(bases)  # every peer through NVSHMEM device calls
         self.timeout_s = ctx.timeout_s
         self.heap = heap
-        host = [ctx.rank, ctx.world_size, int(ctx.timeout_s * 1e9), self.ctrl.data_ptr(), self.error.data_ptr(),
-                heap.base, heap.nbytes, 0]
+        word = abi.StateWord
+        words = {word.RANK: ctx.rank, word.WORLD: ctx.world_size, word.TIMEOUT_NS: int(ctx.timeout_s * 1e9),
+                 word.CONTROL: self.ctrl.data_ptr(), word.ERROR: self.error.data_ptr(), word.HEAP_BASE: heap.base,
+                 word.HEAP_BYTES: heap.nbytes}
+        host = [words.get(i, 0) for i in range(word.PEER_BASES)]
         self.state.zero_()
-        self.state[: 8 + len(bases)].copy_(torch.tensor(host + bases, dtype=torch.int64))
+        self.state[: word.PEER_BASES + len(bases)].copy_(torch.tensor(host + bases, dtype=torch.int64))
         _gpu.set_state_address(self.state.data_ptr())
         triton.knobs.runtime.jit_post_compile_hook = _register_module_hook
         torch.cuda.synchronize()
@@ -114,7 +117,7 @@ class CudaDeviceState(ErrorRecord):
     def set_timeout(self, seconds: float) -> None:
         """The wait limit kernels read from the device-state block (word 2, ns)."""
         self.timeout_s = seconds
-        self.state[2].fill_(int(seconds * 1e9))
+        self.state[abi.StateWord.TIMEOUT_NS].fill_(int(seconds * 1e9))
 
     def close(self) -> None:
         """Free the NVSHMEM heap and finalize NVSHMEM (the process blocks stay for a later init)."""

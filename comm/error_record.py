@@ -5,12 +5,8 @@ import torch
 
 
 class ErrorRecord:
-    """int64 words [code, rank, a, b, c, d] a kernel fills once (first error wins), the host reads.
-    Codes: 1 wait timed out (a = signal address, b = expected, c = last seen, d = comparison), 2 a collective's counts
-    disagree (a = peer, b = expected, c = offered), 3 an expert id out of range (a = token, b = id, c = E),
-    6 ranks in different collectives (a = peer, b = this rank's tag, c = the peer's; collectives/_exchange.py),
-    7 / 8 a tcl primitive's PE out of range / address off the heap under TILECOMM_CHECK=1 (a = pe or address,
-    b = world or pe; language/_gpu.py)."""
+    """int64 words [code, rank, a, b, c, d] a kernel fills once (first error wins: abi.record_error), the host
+    reads; the codes are abi.ErrorCode's (code 4, the low-latency capacity, lives in the Dispatcher's own record)."""
 
     def __init__(self, words: torch.Tensor):
         self.error = words
@@ -33,7 +29,7 @@ class ErrorRecord:
 
     def raise_if_error(self) -> None:
         from .errors import PeerMismatchError, WaitTimeoutError
-        from .language._constants import CMP_NAMES
+        from .language.abi import CMP_NAMES, ErrorCode
 
         if not self._code[0]:
             return
@@ -41,20 +37,20 @@ class ErrorRecord:
         if err is None:
             return
         code, rank, a, b, c = err
-        if code == 1:
+        if code == ErrorCode.WAIT_TIMEOUT:
             where = self.heap.describe(a) if self.heap is not None else "address not described"
             raise WaitTimeoutError(rank, a, b, CMP_NAMES.get(self._cmp, f"cmp {self._cmp}"), c,
                                    getattr(self, "timeout_s", float("nan")), where=f"{where}, recorded on the device")
-        if code == 3:
+        if code == ErrorCode.BAD_EXPERT:
             raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
-        if code in (7, 8):
+        if code in (ErrorCode.BAD_PE, ErrorCode.OFF_HEAP):
             from .errors import OutOfBoundsError
 
-            what = f"pe={a} is out of range [0, {b})" if code == 7 else \
+            what = f"pe={a} is out of range [0, {b})" if code == ErrorCode.BAD_PE else \
                 f"address 0x{a:x} (for pe {b}) is not on the symmetric heap"
             raise OutOfBoundsError(f"rank {rank}: a tcl primitive's {what} (TILECOMM_CHECK=1, found on the device; "
                                    "the operation was skipped)")
-        if code == 6:
+        if code == ErrorCode.OP_MISMATCH:
             from .collectives._exchange import describe_tag
 
             raise PeerMismatchError(f"rank {rank} called {describe_tag(b)} while rank {a} called {describe_tag(c)}: "

@@ -5,20 +5,14 @@
                                   whatever that program does next, e.g. the signal that hands the
                                   buffers to a peer. Resets the counter for the next launch.
     last_of(counter_ptr, n)       the same among the n programs of a launch that call it (one role).
-    take_ticket(counter_ptr, n)   0, 1, ... n - 1 in the order the launch's n programs start (the
-                                  counter is reset by the last): a program that waits for others of
-                                  its launch takes its role from its ticket, not from its program id,
-                                  so everything it waits for has started (no deadlock on any schedule).
     peer_offset(ptr, pe, ALIGN)   element offset from ptr to the same symmetric object on pe
                                   (vector of pes allowed), with the alignment hint that keeps stores
                                   through it 16-byte vectorised (heaps are page aligned).
     wait_all(sig_ptr, value, W)   acquire-wait until sig[0..W) >= value.
     signal_all(sig_ptr, value, W) SET sig on every rank (release: this program's stores land first).
-    record_error(err_ptr, ...)    first error wins: [code, rank, a, b, c] in the Dispatcher's error words.
 
-Error codes (DispatchErrors in dispatcher.py turns them into exceptions): 3 an expert id outside
-[-1, E) (a = token, b = id, c = E); 4 more rows for one (expert, source rank) than the low-latency
-capacity (a = global expert, b = rows wanted, c = capacity).
+Programs take their roles from `tilecomm.language.abi.take_ticket` and record errors with its
+`record_error` (codes: abi.ErrorCode), as every kernel of the package does.
 """
 from __future__ import annotations
 
@@ -26,9 +20,6 @@ import triton
 import triton.language as tl
 
 import tilecomm.language as tcl
-
-ERR_BAD_EXPERT = tl.constexpr(3)
-ERR_CAPACITY = tl.constexpr(4)
 
 
 @triton.jit
@@ -48,14 +39,6 @@ def last_of(counter_ptr, n):
 
 
 @triton.jit
-def take_ticket(counter_ptr, n):
-    ticket = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket == n - 1:  # every ticket of this launch is taken
-        tl.store(counter_ptr, 0)
-    return ticket
-
-
-@triton.jit
 def peer_offset(ptr, pe, ALIGN: tl.constexpr):
     delta = (tcl.symm_at(ptr, pe).to(tl.int64) - ptr.to(tl.int64)) // (ptr.dtype.element_ty.primitive_bitwidth // 8)
     return tl.multiple_of(delta, ALIGN)
@@ -71,13 +54,3 @@ def wait_all(sig_ptr, value, W):
 def signal_all(sig_ptr, value, W):
     for r in range(0, W):
         tcl.signal(sig_ptr, value, r, tcl.SIGNAL_SET)
-
-
-@triton.jit
-def record_error(err_ptr, code, me, a, b, c):
-    if tl.load(err_ptr, volatile=True) == 0:
-        tl.store(err_ptr + 1, tl.cast(me, tl.int64))  # tl.cast: an int argument of 1 arrives as a constexpr
-        tl.store(err_ptr + 2, tl.cast(a, tl.int64))
-        tl.store(err_ptr + 3, tl.cast(b, tl.int64))
-        tl.store(err_ptr + 4, tl.cast(c, tl.int64))
-        tl.store(err_ptr, code)

@@ -47,8 +47,10 @@ import tilecomm
 import tilecomm.language as tcl
 from tilecomm.jit import CachedLaunch
 
-from ._device import (ERR_BAD_EXPERT, ERR_CAPACITY, last_of, peer_offset, record_error, signal_all, take_ticket,
-                      wait_all)
+from tilecomm.language.abi import (ERR_BAD_EXPERT, ERR_CAPACITY, ERROR_WORDS, ErrorCode, record_error,
+                                   take_ticket)
+
+from ._device import last_of, peer_offset, signal_all, wait_all
 from .buffers import SymmetricState, low_latency_specs, row_bytes
 
 _SIG_CONSUMED, _SIG_BACK_READY, _SIG_BACK_CONSUMED = range(3)
@@ -129,7 +131,7 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
         slot += tl.sum(((ids_c[None, :] == ids[:, None]) & (fc[None, :] < f[:, None])).to(tl.int32), axis=1)
     bad = km & ((ids < -1) | (ids >= E))
     if tl.max(bad.to(tl.int32), axis=0) > 0:
-        record_error(err_ptr, ERR_BAD_EXPERT, me, t, tl.max(tl.where(bad, ids, -2 ** 62), axis=0), E)
+        record_error(err_ptr, ERR_BAD_EXPERT, me, t, tl.max(tl.where(bad, ids, -2 ** 62), axis=0), E, 0)
     ok = valid & (slot < M)
     owner = tl.where(ok, ids // E_L, -1)
     # the row goes to each owner once: at the first of that owner's pairs, in k order
@@ -165,7 +167,7 @@ def _publish_counts(pairs_ptr, count_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_E
         tl.store(pairs_ptr + r * E_L + el, tl.zeros((BLOCK_EL,), tl.int32), mask=el < E_L)
         if tl.max(n, axis=0) > M:
             worst = tl.argmax(n, axis=0)
-            record_error(err_ptr, ERR_CAPACITY, me, r * E_L + worst, tl.max(n, axis=0), M)
+            record_error(err_ptr, ERR_CAPACITY, me, r * E_L + worst, tl.max(n, axis=0), M, 0)
         tagged = epoch * (M + 1) + tl.minimum(n, M).to(tl.int64)
         last = tl.sum(tl.where(el == E_L - 1, tagged, 0), axis=0)  # padding lanes repeat the last word
         tcl.signal(count_ptr + tl.minimum(el, E_L - 1) * W + me, tl.where(el < E_L, tagged, last), r,
@@ -285,9 +287,9 @@ class LowLatencyHandle:
 def raise_device_error(words) -> None:
     """Turn the Dispatcher's device error words [code, rank, a, b, c] into an exception (code 0: none)."""
     code, rank, a, b, c = (int(v) for v in words[:5])
-    if code == ERR_BAD_EXPERT.value:
+    if code == ErrorCode.BAD_EXPERT:
         raise ValueError(f"rank {rank}: token {a} has expert id {b}; expected -1 <= id < {c} (found on the device)")
-    if code == ERR_CAPACITY.value:
+    if code == ErrorCode.CAPACITY:
         raise ValueError(f"rank {rank}: low-latency dispatch sent {b} rows to expert {a}, more than its capacity of "
                          f"{c} rows per (expert, source rank) (max_tokens_per_rank; a token naming the same expert "
                          "twice counts twice); the rows past the capacity were not sent (found on the device)")
@@ -317,7 +319,7 @@ class LowLatencyEngine:
         counters = torch.zeros(6, dtype=torch.int32, device=ctx.device)  # reset by the kernels after each launch
         self._dispatch_ctr, self._combine_ctr = counters[_DISPATCH_COUNTERS:], counters[_COMBINE_COUNTERS:]
         self._sig = [self.state.sig[i] for i in range(3)]
-        self._err = torch.zeros(8, dtype=torch.int64, pin_memory=self.cuda)  # written by the kernels
+        self._err = torch.zeros(ERROR_WORDS, dtype=torch.int64, pin_memory=self.cuda)  # written by the kernels
         self._pairs = torch.zeros(num_experts, dtype=torch.int32, device=ctx.device)  # per expert, cleared after use
         self._err_words = self._err.numpy()
         self._dummies, self._typed_views = {}, {}

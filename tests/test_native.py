@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tilecomm.language import _constants
+from tilecomm.language import abi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,5 +30,5 @@ def test_probe_constants_match_nvshmem_headers(tmp_path):
     assert out.returncode == 0, out.stderr
     header = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
     for name in ("SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE"):
-        assert int(header[name]) == getattr(_constants, name), (name, header[name])
+        assert int(header[name]) == getattr(abi, name), (name, header[name])
     assert header["VERSION"].startswith("3.")

@@ -46,11 +46,11 @@ all_to_all's reader and a reduce-scatter's writer use different slots, so nothin
 
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
 call or at the end of the previous call, and a pid is the order in which the program started on its rank
-(`_started_index`), so the running programs are always the lowest pids on each rank: the Triton interpreter
-(programs one after another) never deadlocks, nor does a GPU grid that is not co-resident (another kernel
-holds some SMs, or more programs than fit). The default grid fits: two programs per SM, and both kernels keep
-to 128 registers a thread so that two 256-thread programs share an SM (tests/test_gpu_compile.py checks it).
-Every wait has the runtime's timeout.
+(abi.take_ticket; with block indices, 3 programs per SM hung on 4 H200s), so the running programs are always
+the lowest pids on each rank: the Triton interpreter (programs one after another) never deadlocks, nor does a
+GPU grid that is not co-resident (another kernel holds some SMs, or more programs than fit). The default grid
+fits: two programs per SM, and both kernels keep to 128 registers a thread so that two 256-thread programs
+share an SM (tests/test_gpu_compile.py checks it). Every wait has the runtime's timeout.
 """
 from __future__ import annotations
 
@@ -58,9 +58,8 @@ import triton.language as tl
 
 from .. import language as tcl
 from ..jit import jit
+from ..language.abi import ERR_COUNT_MISMATCH, ERR_OP_MISMATCH, record_error, take_ticket
 
-ERR_COUNT_MISMATCH = 2
-ERR_OP_MISMATCH = 6
 # The header's tag: which collective a rank is in, and its element size (ranks must call the same ones
 # in the same order; a reader that finds another tag records ERR_OP_MISMATCH).
 OPS = {1: "all_to_all_single", 2: "all_gather_into_tensor", 3: "reduce_scatter_tensor"}
@@ -72,17 +71,6 @@ def op_tag(op: int, elem: int) -> int:
 
 def describe_tag(tag: int) -> str:
     return f"{OPS.get(tag // 16, f'op {tag // 16}')} of {tag % 16}-byte elements"
-
-
-@jit
-def _record_error(err_ptr, code, a, b, c):
-    """Fill the error record unless one is there (plain stores: on GPUs it is pinned host memory)."""
-    if tl.load(err_ptr, volatile=True) == 0:
-        tl.store(err_ptr + 1, tcl.rank().to(tl.int64))
-        tl.store(err_ptr + 2, tl.cast(a, tl.int64))
-        tl.store(err_ptr + 3, tl.cast(b, tl.int64))
-        tl.store(err_ptr + 4, tl.cast(c, tl.int64))
-        tl.store(err_ptr, code)
 
 
 @jit
@@ -158,10 +146,10 @@ def _read_header(meta_ptr, ready_ptr, err_ptr, slot, src, expected, base, TAG: t
     in_place = tl.load(remote + 4 * slot + 2, cache_modifier=".cg")
     tag = tl.load(remote + 4 * slot + 3, cache_modifier=".cg")
     if tag != TAG:
-        _record_error(err_ptr, 6, src, TAG, tag)
+        record_error(err_ptr, ERR_OP_MISMATCH, tcl.rank(), src, TAG, tag, 0)
         offered = offered * 0  # move nothing from a rank in another collective
     elif offered != expected:
-        _record_error(err_ptr, 2, src, expected, offered)
+        record_error(err_ptr, ERR_COUNT_MISMATCH, tcl.rank(), src, expected, offered, 0)
     return offset, tl.minimum(offered, expected), in_place, offered
 
 
@@ -171,17 +159,6 @@ def _words(words_ptr, P):
     counter; S = W * P."""
     S = tcl.num_ranks() * P
     return words_ptr, words_ptr + 4 * S, words_ptr + 5 * S, words_ptr + 6 * S, words_ptr + 7 * S
-
-
-@jit
-def _started_index(ticket_ptr):
-    """This program's index in the call: the order in which the call's programs *start* on this rank (a ticket
-    counter, taken modulo the grid: a call's programs all take theirs before the next call's start), not
-    tl.program_id. So the programs running on a rank are always the call's lowest indices, whatever order the
-    GPU starts them in, and as a program waits only for programs of its own index on other ranks, the lowest
-    unfinished index always runs everywhere: a grid that does not fit the GPU at once, or shares it with
-    another kernel, still finishes (with block indices, 3 programs per SM hung on 4 H200s, 2026-11-26)."""
-    return (tl.atomic_add(ticket_ptr, 1, sem="relaxed") % tl.num_programs(0)).to(tl.int32)
 
 
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n_even", "P"])
@@ -198,7 +175,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     out_ptr = out_ptr.to(tl.pointer_type(MOVE))
     heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
     meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
-    pid = _started_index(ticket_ptr)
+    pid = take_ticket(ticket_ptr, tl.num_programs(0)).to(tl.int32)
     k = pid // P
     q = pid % P
     me = tcl.rank()
@@ -328,7 +305,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     that reader's ring. As a reader, slot k * P + q holds the writer me - k's. BLOCK: elements per reduce step
     (W writers' blocks loaded at once), PUSH_BLOCK: per push step."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
-    q = _started_index(ticket_ptr)
+    q = take_ticket(ticket_ptr, tl.num_programs(0)).to(tl.int32)
     me = tcl.rank()
     W = tcl.num_ranks()
     e = tl.load(epoch_ptr + q) + 1

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from ..jit import TileKernel
-from . import _constants as _c
+from . import abi as _c
 from . import _cpu, _gpu
 
 SIGNAL_SET = tl.constexpr(_c.SIGNAL_SET)

@@ -24,7 +24,7 @@ from triton.runtime.interpreter import _implicit_cvt
 
 from .. import _env, runtime
 from ..errors import OutOfBoundsError, WaitTimeoutError
-from ._constants import CMP_GE, CMP_NAMES, SIGNAL_ADD, SIGNAL_SET, compare_numpy
+from .abi import CMP_GE, CMP_NAMES, SIGNAL_ADD, SIGNAL_SET, compare_numpy
 
 _COPY_BLOCK = 1 << 14
 # TILECOMM_CPU_JITTER_MS (tests): a random pause after every signal and wait. Programs run one after another

@@ -1,10 +1,7 @@
 """GPU implementations of the `tilecomm.language` primitives (compiled by Triton).
 
-Device state (an int64 array in device memory, one per process, address compiled in as the
-constexpr STATE_ADDR): [0] rank, [1] world size, [2] wait timeout in ns, [3] address of the
-control words on the symmetric heap, [4] address of the error record (pinned host memory),
-[5] this rank's heap base, [6] heap bytes, [8 + pe] rank pe's heap base as mapped here (0 = not
-mapped: NVSHMEM).
+Device state: an int64 array in device memory, one per process, its address compiled in as the
+constexpr STATE_ADDR; its words are the device ABI's STATE_* (abi.py).
 
 With TILECOMM_CHECK=1 (read at import: kernels compile it in) put/get/symm_at/signal check that the
 PE is in [0, world) and that the symmetric address range lies inside the heap; a bad one is recorded
@@ -25,14 +22,13 @@ import triton.language as tl
 from triton.language import core
 
 from .. import _env
+from .abi import (ERR_BAD_PE, ERR_OFF_HEAP, ERR_WAIT_TIMEOUT, STATE_CONTROL, STATE_ERROR, STATE_HEAP_BASE,
+                  STATE_HEAP_BYTES, STATE_PEER_BASES, STATE_RANK, STATE_TIMEOUT_NS, STATE_WORLD, record_error)
 
 STATE_ADDR = tl.constexpr(0)
 TRANSPORT_NVSHMEM = tl.constexpr(_env.transport() == "nvshmem")
 CHECK = tl.constexpr(_env.check())  # TILECOMM_CHECK=1: bounds checks in put/get/symm_at/signal (debug)
-ERR_BAD_PE = tl.constexpr(7)
-ERR_OFF_HEAP = tl.constexpr(8)
 COPY_BLOCK = tl.constexpr(4096)  # elements per step of one program: 32 per thread at 4 warps
-ERR_WAIT_TIMEOUT = tl.constexpr(1)
 
 _NVSHMEM_BC: dict = {}
 
@@ -169,8 +165,8 @@ def _fence_sys():
 def _delta(pe):
     """Byte distance from this rank's heap to pe's mapped heap; 0 where pe is not mapped."""
     state = _state_ptr()
-    peer_base = tl.load(state + 8 + pe)
-    return tl.where(peer_base == 0, 0, peer_base - tl.load(state + 5))
+    peer_base = tl.load(state + STATE_PEER_BASES + pe)
+    return tl.where(peer_base == 0, 0, peer_base - tl.load(state + STATE_HEAP_BASE))
 
 
 @triton.jit
@@ -226,14 +222,10 @@ def _delta_elems(ptr, pe):
 
 
 @triton.jit
-def _record(code, a, b):
+def _record(code, a, b, c, d):
     state = _state_ptr()
-    err = tl.load(state + 4).to(tl.pointer_type(tl.int64))
-    if tl.load(err, volatile=True) == 0:
-        tl.store(err + 1, tl.load(state))
-        tl.store(err + 2, tl.cast(a, tl.int64))
-        tl.store(err + 3, tl.cast(b, tl.int64))
-        tl.store(err, code)
+    record_error(tl.load(state + STATE_ERROR).to(tl.pointer_type(tl.int64)), code, tl.load(state + STATE_RANK), a, b, c,
+                 d)
 
 
 @triton.jit
@@ -241,30 +233,30 @@ def _in_bounds(ptr, nelems, pe):
     """TILECOMM_CHECK: pe in [0, world) and [ptr, ptr + nelems) inside this rank's heap, for every element of
     a block of pointers or PEs (one answer for the block); a violation is recorded (code 7 bad PE, else 8)."""
     state = _state_ptr()
-    world = tl.load(state + 1)
+    world = tl.load(state + STATE_WORLD)
     ok_pe = (pe >= 0) & (pe < world)
-    off = ptr.to(tl.int64) - tl.load(state + 5)
+    off = ptr.to(tl.int64) - tl.load(state + STATE_HEAP_BASE)
     end = off + tl.cast(nelems, tl.int64) * (ptr.dtype.element_ty.primitive_bitwidth // 8)
-    ok = ok_pe & (off >= 0) & (end <= tl.load(state + 6))
+    ok = ok_pe & (off >= 0) & (end <= tl.load(state + STATE_HEAP_BYTES))
     one = tl.full((1,), 1, tl.int32)  # any shape -> at least one dimension, for the reductions
     all_ok = tl.min(ok.to(tl.int32) & one, axis=0) != 0
     if tl.min(ok_pe.to(tl.int32) & one, axis=0) == 0:
-        _record(ERR_BAD_PE, tl.min(tl.where(ok_pe, 2147483647, pe) + 0 * one, axis=0), world)
+        _record(ERR_BAD_PE, tl.min(tl.where(ok_pe, 2147483647, pe) + 0 * one, axis=0), world, 0, 0)
     elif not all_ok:
         _record(ERR_OFF_HEAP, tl.min(tl.where(ok, 9223372036854775807, ptr.to(tl.int64)) + 0 * one, axis=0),
-                tl.max(pe + 0 * one, axis=0))
+                tl.max(pe + 0 * one, axis=0), 0, 0)
     return all_ok
 
 
 # ---- primitives ------------------------------------------------------------------------------------
 @triton.jit
 def rank():
-    return tl.load(_state_ptr()).to(tl.int32)
+    return tl.load(_state_ptr() + STATE_RANK).to(tl.int32)
 
 
 @triton.jit
 def num_ranks():
-    return tl.load(_state_ptr() + 1).to(tl.int32)
+    return tl.load(_state_ptr() + STATE_WORLD).to(tl.int32)
 
 
 @triton.jit
@@ -350,20 +342,13 @@ def _signal(sig, value, pe, op: tl.constexpr):
 def wait(sig, value, cmp: tl.constexpr):
     """Spin on the local word(s) at sig; past the timeout, record the error and return."""
     state = _state_ptr()
-    timeout = tl.load(state + 2)
+    timeout = tl.load(state + STATE_TIMEOUT_NS)
     start = _globaltimer()
     cur = _load_acquire(sig)
     ok = _compare(cur, value, cmp).to(tl.int32)
     while ok == 0:
         if _globaltimer() - start > timeout:
-            err = tl.load(state + 4).to(tl.pointer_type(tl.int64))
-            if tl.load(err, volatile=True) == 0:  # plain stores: the record is in pinned host memory
-                tl.store(err + 1, tl.load(state))
-                tl.store(err + 2, sig.to(tl.int64))
-                tl.store(err + 3, tl.cast(value, tl.int64))
-                tl.store(err + 4, cur.to(tl.int64))
-                tl.store(err + 5, tl.full((), cmp, tl.int64))
-                tl.store(err, ERR_WAIT_TIMEOUT)
+            _record(ERR_WAIT_TIMEOUT, sig.to(tl.int64), value, cur, cmp)
             ok = tl.full((), 2, tl.int32)
         else:
             cur = _load_acquire(sig)
@@ -399,9 +384,9 @@ def quiet():
 @triton.jit
 def barrier_all():
     state = _state_ptr()
-    ctrl = tl.load(state + 3).to(tl.pointer_type(tl.int64))
-    me = tl.load(state).to(tl.int32)
-    world = tl.load(state + 1).to(tl.int32)
+    ctrl = tl.load(state + STATE_CONTROL).to(tl.pointer_type(tl.int64))
+    me = tl.load(state + STATE_RANK).to(tl.int32)
+    world = tl.load(state + STATE_WORLD).to(tl.int32)
     epoch = tl.load(ctrl) + 1
     tl.debug_barrier()
     tl.store(ctrl, epoch)
