@@ -6,7 +6,9 @@ test bodies on GPU ranks, one per GPU, skipping world sizes larger than the GPU 
 TILECOMM_TEST_SHARE_GPUS=1 ranks share GPUs round-robin instead: a correctness run on a machine with
 fewer GPUs, never a timing); `pool.run(fn, *args)` runs a module-level test body on every rank and returns the
 results by rank (a rank's exception is re-raised as RankError naming the rank). A pool that
-lost a rank is replaced on the next request.
+lost a rank is replaced on the next request. Each rank's heap is TILECOMM_TEST_HEAP_BYTES (64 MiB: small
+rings, so transfers stream through them; on GPUs one program per SM. 1GiB gives GPU ranks the runtime's
+default layout, two programs per SM).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ SHARE_GPUS = os.environ.get("TILECOMM_TEST_SHARE_GPUS", "0") == "1"
 # device-side waits in tests fail after this long instead of hanging; ranks that share a GPU are
 # time-sliced (a spinning kernel holds it for a slice), so they get longer
 TEST_TIMEOUT_S = "120" if SHARE_GPUS else "20"
+HEAP_BYTES = os.environ.get("TILECOMM_TEST_HEAP_BYTES", "64MiB")
 
 
 class _Pools:
@@ -39,7 +42,7 @@ class _Pools:
             if pool is not None:
                 pool.kill()
             pool = tilecomm.RankPool(n, backend=BACKEND, env={"TILECOMM_TIMEOUT_S": TEST_TIMEOUT_S,
-                                                           "TILECOMM_HEAP_BYTES": "64MiB"}, grace_s=40)
+                                                           "TILECOMM_HEAP_BYTES": HEAP_BYTES}, grace_s=40)
             self.pools[n] = pool
         return pool
 

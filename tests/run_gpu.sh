@@ -11,7 +11,8 @@
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE); TEST_STOP="" runs on
 #          past a failure (default -x), TEST_FILES picks files; TEST_WORKERS=N runs N test files at a time
 #          (pytest-xdist: the suite is bound by Triton compiling each kernel in every rank; their ranks then
-#          share the GPUs)  -> $OUT/tests.log
+#          share the GPUs); TEST_HEAP=1GiB gives the ranks the default GPU layout of the collectives (two
+#          programs per SM; the tests' 64 MiB heaps get one)  -> $OUT/tests.log
 #   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths, torch's NVSHMEM all_to_all_vdev
 #          (torch_a2av: its own process) (needs 2+ GPUs; BENCH_RUNS: a ";"-separated subset, e.g.
 #          "ag_gemm;dispatch --mode low_latency;torch_a2av --uneven")  -> $OUT/bench_*.json
@@ -93,7 +94,7 @@ if has tests; then
   share=${TEST_SHARE:-$([ "$NGPU" -eq 1 ] || [ "${TEST_WORKERS:-1}" -gt 1 ] && echo 1 || echo 0)}
   for transport in ${TRANSPORTS:-nvlink nvshmem}; do
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
-    TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout -s INT -k 30 "${TEST_TIMEOUT:-400}" \
+    TILECOMM_TEST_HEAP_BYTES=${TEST_HEAP:-64MiB} TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout -s INT -k 30 "${TEST_TIMEOUT:-400}" \
       python3 -m pytest -v ${TEST_STOP--x} -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" \
       ${TEST_WORKERS:+-n $TEST_WORKERS --dist loadfile} ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_dispatch.py \
       tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py} 2>&1 | tee -a "$OUT/tests.log" \
