@@ -8,6 +8,7 @@ import triton.language as tl
 import tilecomm
 import tilecomm.language as tcl
 from _reference import dev, gather_all
+from tilecomm.language.abi import take_ticket
 
 
 @tilecomm.jit
@@ -198,6 +199,24 @@ def test_kernel_runs_on_cpu_without_runtime():
     y = torch.empty(100)
     _copy_kernel[(2,)](x, y, 100, BLOCK=64)
     assert torch.equal(x, y)
+
+
+def test_take_ticket_numbers_each_launch_from_zero():
+    """abi.take_ticket: every launch's programs get 0 .. n - 1, each once, and the counter is 0 again after it
+    (the collectives and low-latency dispatch take their program index from it). On a GPU (when there is one)
+    with a grid far larger than the GPU holds at once, so programs start out of block order."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 8192 if device == "cuda" else 7
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    for _ in range(3):
+        got = torch.full((n,), -1, dtype=torch.int64, device=device)
+        _ticket_kernel[(n,)](counter, got)
+        assert sorted(got.tolist()) == list(range(n)) and counter.item() == 0
+
+
+@tilecomm.jit
+def _ticket_kernel(counter_ptr, out_ptr):
+    tl.store(out_ptr + tl.program_id(0), take_ticket(counter_ptr, tl.num_programs(0)))
 
 
 @tilecomm.jit
