@@ -5,8 +5,8 @@
 Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth]: the runtime's CollectiveState is
 replaced by one made with those knobs (and a workspace that holds two rings of that chunk), every case is
 checked against NCCL's result once, then timed (µs per call, 50 calls back to back, the slowest rank's).
-The defaults in comm/collectives/state.py came from a world-1 sweep; this one says whether they hold
-where the link is involved. Rank 0 prints one row per (case, config) and NCCL's time beside it.
+The defaults in comm/collectives/state.py (two per SM / 128 / 32) came from this sweep on 4 H200s
+(BENCHMARKS.md, 2026-11-26 afternoon). Rank 0 prints one row per (case, config) and NCCL's time beside it.
 """
 import argparse
 import os
@@ -20,7 +20,7 @@ from tilecomm.collectives.state import DEPTH, CollectiveState
 
 CASES = [("all_to_all", (4096, 7168)), ("all_to_all", (128, 7168)), ("all_gather", (8192, 8192)),
          ("reduce_scatter", (8192, 8192))]
-DEFAULT_CONFIGS = "1/128/32,1/124/32,1/128/16,1/256/32,2/128/32,2/128/16,1/128/32/4,1/256/32/4,1/512/32"
+DEFAULT_CONFIGS = "2/128/32,1/128/32,2/256/32,1/256/32,2/128/16,3/128/32"
 
 
 def _tensors(op, shape, world):

@@ -108,7 +108,8 @@ def fused_heap_bytes(dt) -> int:
     from .. import _env
 
     size = torch.empty((), dtype=dt).element_size()
-    return max(_env.heap_bytes(torch.cuda.is_available()), tilecomm.heap_bytes_for(max(max(2 * M * K, M * N) * size for M, K, N in FUSED)))
+    need = max(max(2 * M * K, M * N) * size for M, K, N in FUSED)
+    return max(_env.heap_bytes(torch.cuda.is_available()), tilecomm.heap_bytes_for(need))
 
 
 def bench_fused(dt, ops, config) -> list:
