@@ -157,6 +157,8 @@ def main() -> None:
             # one thread of the program issues a one-word signal (nvshmemx_signal_op is thread-level)
             "thread0_guard": re.search(r"mov\.u32\s+(%r\d+), %tid\.x;[\s\S]{0,600}?setp\.ne\.b32\s+%p\d+, \1, 0;", ptx) is not None,
             "tma": "cp.async.bulk.tensor" in ptx, "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
+            # abi.take_ticket: a relaxed GPU-scope atomic add hands out the program index
+            "ticket": "atom.global.gpu.relaxed.add" in ptx,
         }))
 
 

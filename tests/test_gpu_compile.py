@@ -38,10 +38,12 @@ def compiled():
 
 def _two_programs_per_sm(rows: dict) -> None:
     """The collectives run two 256-thread programs per SM (collectives/state.py): at most 128 registers a thread,
-    no local memory. (A masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
-    registers and 136 bytes of local memory.)"""
+    no local memory (a masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
+    registers and 136 bytes of local memory); their program index is a ticket (abi.take_ticket), not the block
+    index (3 programs per SM hung on 4 H200s with block indices)."""
     for kernel in ("_exchange._pairs_kernel", "_exchange._reduce_kernel"):
         assert rows[kernel]["regs"] <= 128 and rows[kernel]["local_bytes"] == 0, rows[kernel]
+        assert rows[kernel]["ticket"], rows[kernel]
 
 
 def test_kernels_compile_for_sm90_nvlink_transport(compiled):
