@@ -7,9 +7,15 @@ replaced by one made with those knobs (and a workspace that holds two rings of t
 checked against NCCL's result once, then timed (µs per call, 50 calls back to back, the slowest rank's).
 The defaults in comm/collectives/state.py (two per SM / 128 / 32) came from this sweep on 4 H200s
 (BENCHMARKS.md, 2026-11-26 afternoon). Rank 0 prints one row per (case, config) and NCCL's time beside it.
+
+--snapshot S: where a config's first call of a case is still running after S seconds (a hang: its waits time out
+after TILECOMM_TIMEOUT_S), every rank copies the kernel's state words to the host on a side stream while it
+spins and prints what they say: the ticket counter (programs started so far), the slots whose program has not
+started (their epoch is still the previous call's), and how far each slot's ready and done words got.
 """
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +38,47 @@ def _tensors(op, shape, world):
                                                                                  device="cuda")
 
 
+def _ranges(ids) -> str:
+    """[3, 4, 5, 9] -> "3-5,9"."""
+    out, ids = [], sorted(ids)
+    for i in ids:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out) or "none"
+
+
+def _snapshot(state, op: str, rank: int, running: torch.cuda.Event, after_s: float) -> None:
+    """If the call that `running` follows is still spinning after `after_s` s, print this rank's view of it
+    (module docstring): words are meta [S, 4], ready, done, epochs [S], then the ticket counter."""
+    deadline = time.monotonic() + after_s
+    while not running.query() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if running.query():
+        return
+    words = state.rs_words if op == "reduce_scatter" else state.words
+    host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # not ordered after the spinning kernel: the copy engine reads the words now
+        host.copy_(words, non_blocking=True)
+    side.synchronize()
+    S = (host.numel() - 1) // 7
+    ready, done, epochs = host[4 * S:5 * S], host[5 * S:6 * S], host[6 * S:7 * S]
+    e = int(epochs.max())
+    base = e << 32
+
+    def steps(v):
+        rel = torch.where(v >= base, v - base, torch.full_like(v, -1))
+        vals, counts = rel.unique(return_counts=True)
+        return " ".join(f"{'<base' if int(a) < 0 else ('ALL' if int(a) == (1 << 32) - 1 else int(a))}:{int(c)}"
+                        for a, c in zip(vals, counts))
+
+    print(f"[snapshot rank {rank}] {op} still running after {after_s} s: ticket counter {int(host[7 * S])} of {S} "
+          f"slots; epoch {e}; slots not started: {_ranges((epochs < e).nonzero().flatten().tolist())}; "
+          f"ready (step: slots) {steps(ready)}; done {steps(done)}", flush=True)
+
+
 def _slowest(us: float) -> float:
     t = torch.tensor([us], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -41,6 +88,7 @@ def _slowest(us: float) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    p.add_argument("--snapshot", type=float, default=0.0, help="seconds; 0: off (module docstring)")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -76,6 +124,10 @@ def main():
                 ref = torch.empty_like(out)
                 theirs[case[0]](ref, x)
                 ours[case[0]](out, x)
+                if args.snapshot:
+                    running = torch.cuda.Event()
+                    running.record()
+                    _snapshot(ctx.collectives, case[0], rank, running, args.snapshot)
                 torch.cuda.synchronize()
                 tilecomm.check_errors()
                 bad = int(not torch.equal(out, ref)) if case[0] != "reduce_scatter" else \

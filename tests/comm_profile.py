@@ -17,11 +17,15 @@ import torch.distributed as dist
 
 import tilecomm
 from tilecomm.bench import measure
+from tilecomm.bench.collectives import uneven_splits
+from tilecomm.dispatch import Dispatcher
 
 CASES = [("all_to_all", (128, 7168), False), ("all_to_all", (128, 7168), True),
          ("all_to_all", (4096, 7168), False), ("all_to_all", (4096, 7168), True),
          ("all_gather", (8192, 8192), False), ("reduce_scatter", (8192, 8192), False),
          ("reduce_scatter", (8192, 8192), True)]
+UNEVEN = [(128, 7168), (4096, 7168)]  # all_to_all with the bench's --uneven splits
+LOW_LATENCY = dict(tokens=128, hidden=7168, experts=256, topk=8)  # the bench's low-latency dispatch
 
 
 def _tensors(op, shape, symmetric, world):
@@ -35,6 +39,40 @@ def _tensors(op, shape, symmetric, world):
         heap.copy_(x)
         x = heap
     return x, torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
+
+
+def _uneven_calls(shape, world, rank):
+    """(ours, theirs): an all_to_all of the bench's uneven splits (bench/collectives.py) of shape's rows."""
+    n = uneven_splits(shape[0], world)
+    send, recv = n[rank], [n[p][rank] for p in range(world)]
+    x = torch.randn(sum(send), shape[1], device="cuda").to(torch.bfloat16)
+    out = torch.empty(sum(recv), shape[1], dtype=torch.bfloat16, device="cuda")
+    return (lambda: tilecomm.all_to_all_single(out, x, recv, send),
+            lambda: dist.all_to_all_single(out, x, recv, send))
+
+
+def _low_latency_calls():
+    """[(label, call)]: low-latency dispatch and combine (tilecomm only; the bench times NCCL's normal path)."""
+    c = LOW_LATENCY
+    d = Dispatcher(c["experts"], c["hidden"], c["tokens"], c["topk"], torch.bfloat16, mode="low_latency")
+    x = torch.randn(c["tokens"], c["hidden"], device="cuda").to(torch.bfloat16)
+    w, idx = torch.rand(c["tokens"], c["experts"], device="cuda").topk(c["topk"], dim=1)
+    res = d.dispatch(x, idx, w)
+    y = res.x.clone()
+    return [("low_latency dispatch 128x7168", lambda: d.dispatch(x, idx, w)),
+            ("low_latency combine 128x7168", lambda: d.combine(y, res.handle))]
+
+
+def _report(rank, label, lib, call):
+    dist.barrier()
+    wall = measure.per_call_us(call)
+    dist.barrier()
+    host = measure.host_us(call)
+    dist.barrier()
+    n, kern, names = measure.kernel_profile(call, 6, settle=dist.barrier)
+    if rank == 0:
+        print(f"{label:<28} {lib:<8} wall {wall:8.1f}  host {host:7.1f}  kernel {kern:8.1f}  "
+              f"kernels {n}  [{names}]", flush=True)
 
 
 def main():
@@ -52,19 +90,14 @@ def main():
     for op, shape, symmetric in CASES:
         x, out = _tensors(op, shape, symmetric, world)
         for lib, fn in (("tilecomm", ours[op]), ("nccl", theirs[op])):
-            call = lambda: fn(out, x)  # noqa: E731
-            dist.barrier()
-            wall = measure.per_call_us(call)
-            dist.barrier()
-            host = measure.host_us(call)
-            dist.barrier()
-            n, kern, names = measure.kernel_profile(call, 6, settle=dist.barrier)
-            if rank == 0:
-                label = f"{op} {shape[0]}x{shape[1]}{' sym' if symmetric else ''}"
-                print(f"{label:<28} {lib:<8} wall {wall:8.1f}  host {host:7.1f}  kernel {kern:8.1f}  "
-                      f"kernels {n}  [{names}]", flush=True)
+            _report(rank, f"{op} {shape[0]}x{shape[1]}{' sym' if symmetric else ''}", lib, lambda fn=fn: fn(out, x))
         if symmetric:
             tilecomm.free(x)
+    for shape in UNEVEN:
+        for lib, call in zip(("tilecomm", "nccl"), _uneven_calls(shape, world, rank)):
+            _report(rank, f"all_to_all {shape[0]}x{shape[1]} uneven", lib, call)
+    for label, call in _low_latency_calls():
+        _report(rank, label, "tilecomm", call)
     tilecomm.check_errors()
     tilecomm.finalize()
     dist.destroy_process_group()
