@@ -11,7 +11,10 @@ The defaults in comm/collectives/state.py (two per SM / 128 / 32) came from this
 --snapshot S: where a config's first call of a case is still running after S seconds (a hang: its waits time out
 after TILECOMM_TIMEOUT_S), every rank copies the kernel's state words to the host on a side stream while it
 spins and prints what they say: the ticket counter (programs started so far), the slots whose program has not
-started (their epoch is still the previous call's), and how far each slot's ready and done words got.
+started (their epoch is still the previous call's), how far each slot's ready and done words got, and the header
+rows of slots whose ready word is still below the call's base (zero: the writer never got to its header).
+On 4 H100s (2026-11-26 evening), 3 programs per SM: every program had taken its ticket, and 1-2 slots per rank,
+all of them late tickets (k = 3), never got their header.
 """
 import argparse
 import os
@@ -74,9 +77,15 @@ def _snapshot(state, op: str, rank: int, running: torch.cuda.Event, after_s: flo
         return " ".join(f"{'<base' if int(a) < 0 else ('ALL' if int(a) == (1 << 32) - 1 else int(a))}:{int(c)}"
                         for a, c in zip(vals, counts))
 
+    # a slot whose ready word never reached the call's base: its writer either never stored the header (meta
+    # row still zero) or stored it and its signal did not land (meta row filled)
+    headerless = (ready < base).nonzero().flatten().tolist()
+    meta = host[:4 * S].view(S, 4)
     print(f"[snapshot rank {rank}] {op} still running after {after_s} s: ticket counter {int(host[7 * S])} of {S} "
           f"slots; epoch {e}; slots not started: {_ranges((epochs < e).nonzero().flatten().tolist())}; "
-          f"ready (step: slots) {steps(ready)}; done {steps(done)}", flush=True)
+          f"ready (step: slots) {steps(ready)}; done {steps(done)}; no header: "
+          f"{ {i: meta[i].tolist() for i in headerless} } (meta rows: offset, count, in place, tag); "
+          f"done not final: {_ranges((done != base + (1 << 32) - 1).nonzero().flatten().tolist())}", flush=True)
 
 
 def _slowest(us: float) -> float:

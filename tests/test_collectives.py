@@ -1,6 +1,8 @@
 """Collectives against independent references, on 2, 3 and 4 CPU ranks."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,6 +202,45 @@ def async_op_work():
 
 def test_async_op_returns_work(ranks):
     ranks(2).run(async_op_work)
+
+
+def beside_busy_sms(seed):
+    """Collectives on a side stream while the caller's stream runs matmuls (the usual way to overlap expert
+    communication with compute): on GPUs the matmuls hold SMs, so a collective's grid may not be resident at once,
+    and each rank's matmuls take a different time, so its programs start at different moments on every rank.
+    Results equal the references; nothing times out."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    cuda = dev().type == "cuda"
+    gen = torch.Generator().manual_seed(seed + rank)
+    rows, n = (4096, 4096) if cuda else (12, 48)
+    a = torch.randn(n, n, generator=gen).to(dev())
+    x = torch.randn(world * rows, 64, generator=gen).to(dev())
+    inputs = gather_all(x)
+    refs = {"a2a": all_to_all_ref(inputs, [[rows] * world] * world, rank), "rs": reduce_scatter_ref(inputs, rank, "sum"),
+            "ag": torch.cat([t[:rows] for t in inputs])}
+    side = torch.cuda.Stream() if cuda else None
+    for trial in range(3):
+        outs = {k: _poison(torch.empty(v.shape, device=dev())) for k, v in refs.items()}
+        if cuda:
+            torch.cuda.synchronize()
+            side.wait_stream(torch.cuda.current_stream())
+        busy = [a @ a for _ in range(2 + (rank + trial) % 3)]  # queued on the caller's stream
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            tilecomm.all_to_all_single(outs["a2a"], x)
+            tilecomm.reduce_scatter_tensor(outs["rs"], x)
+            tilecomm.all_gather_into_tensor(outs["ag"], x[:rows])
+        if cuda:
+            torch.cuda.current_stream().wait_stream(side)
+        tilecomm.check_errors()
+        assert torch.equal(outs["a2a"].cpu(), refs["a2a"].cpu()), f"rank {rank}, trial {trial}: all_to_all"
+        assert torch.equal(outs["ag"].cpu(), refs["ag"].cpu()), f"rank {rank}, trial {trial}: all_gather"
+        torch.testing.assert_close(outs["rs"].double().cpu(), refs["rs"], rtol=1e-5, atol=1e-5)
+        del busy
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
+    ranks(world).run(beside_busy_sms, 31)
 
 
 def streams_through_the_ring(seed, elems_per_pair):

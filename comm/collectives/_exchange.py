@@ -47,10 +47,14 @@ all_to_all's reader and a reduce-scatter's writer use different slots, so nothin
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
 call or at the end of the previous call, and a pid is the order in which the program started on its rank
 (abi.take_ticket; with block indices, 3 programs per SM hung on 4 H200s), so the running programs are always
-the lowest pids on each rank: the Triton interpreter (programs one after another) never deadlocks, nor does a
-GPU grid that is not co-resident (another kernel holds some SMs, or more programs than fit). The default grid
-fits: two programs per SM, and both kernels keep to 128 registers a thread so that two 256-thread programs
-share an SM (tests/test_gpu_compile.py checks it). Every wait has the runtime's timeout.
+the lowest pids on each rank: the Triton interpreter (programs one after another) never deadlocks, and a GPU grid
+that is not co-resident (another kernel holds some SMs) should not either. Measured against that: 3 programs per SM
+(396 programs, 264 resident at once) still hung on 4 H100s (2026-11-26 evening) with tickets, though every program
+had taken its ticket; 1-2 slots per rank, all of late tickets, never got their header (cause open:
+tests/collective_sweep.py --snapshot reads a hung call's words). tests/test_collectives.py runs the collectives on a
+side stream beside matmuls that hold SMs. The default grid fits: two programs per SM, and both kernels keep to 128
+registers a thread so that two 256-thread programs share an SM (tests/test_gpu_compile.py checks it). Every wait has
+the runtime's timeout.
 """
 from __future__ import annotations
 
