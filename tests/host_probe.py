@@ -5,7 +5,8 @@
 Each line is host µs per call of N calls back to back (no wait), for: the whole public call, the
 argument checks alone, the CollectiveState call alone, CachedLaunch.launch with the call's own
 arguments, the compiled kernel's run() with the values it is handed, and floors: torch's copy_, a
-Triton kernel of 1 and of 20 arguments launched through run(). Not a test (no assertions)."""
+Triton kernel of 1 and of 20 arguments launched through run(); then the GPU time of reading a split table from
+pinned host memory against device memory (table_read_probe). Not a test (no assertions)."""
 import time
 
 import torch
@@ -40,6 +41,38 @@ def one_arg(x):
 @triton.jit
 def twenty_args(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t):
     pass
+
+
+@triton.jit
+def table_reader(table_ptr, out_ptr, W):
+    """What the uneven all_to_all's programs do first: load the 4 split-table entries of their peer."""
+    pid = tl.program_id(0)
+    p = pid % W
+    total = tl.load(table_ptr + 2 * p) + tl.load(table_ptr + 2 * p + 1)
+    total += tl.load(table_ptr + 2 * W + 2 * p) + tl.load(table_ptr + 2 * W + 2 * p + 1)
+    tl.store(out_ptr + pid, total)
+
+
+def table_read_probe():
+    """GPU µs per launch of table_reader over 2 programs per SM, the table in pinned host memory (the uneven
+    all_to_all's, read over PCIe) against the same table in device memory: is the 89 µs uneven 128-row kernel at
+    world 4 (2026-11-26 evening, 4 x H100) the table's host reads?"""
+    W = 4
+    grid = (2 * torch.cuda.get_device_properties(0).multi_processor_count,)
+    out = torch.empty(grid[0], dtype=torch.int64, device="cuda")
+    host = torch.arange(4 * W, dtype=torch.int64).pin_memory()
+    for name, table in (("pinned host", host), ("device", host.cuda())):
+        table_reader[grid](table, out, W)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000_000)  # the launches queue up meanwhile: the events time the GPU, not the host
+        start.record()
+        for _ in range(200):
+            table_reader[grid](table, out, W)
+        end.record()
+        torch.cuda.synchronize()
+        print(f"split table in {name} memory: {start.elapsed_time(end) * 1e3 / 200:.1f} GPU µs per launch of {grid[0]} "
+              f"programs (queued behind a sleep kernel, so back to back on the GPU)")
 
 
 def main():
@@ -92,6 +125,7 @@ def main():
     print("host µs per call (triton", triton.__version__, ")")
     for name, us in rows:
         print(f"  {name:45s} {us:8.2f}")
+    table_read_probe()
     low_latency_profile()
     matmul_profile()
     tilecomm.finalize()
