@@ -25,6 +25,11 @@ rank) pairs with destination != own rank (the mean over ranks is reported):
     combine   pairs × hidden × elem   (each such rank sends back one partial row per token)
 
 NVLink GB/s = bytes / time / 1e9; the routing weights, counts and expert ids are not counted.
+
+On GPUs, --mode low_latency also times each phase as one call captured in a CUDA graph and replayed (backend
+"graphed"): how a decode step runs it (DeepEP's low-latency kernels are built for CUDA graphs), with no host work
+per call. Before timing, the replayed dispatch's rows combined eagerly, and the replayed combine, must equal the
+eager results (allclose).
 """
 from __future__ import annotations
 
@@ -163,11 +168,47 @@ def _times(cfg, ds, res, y, x, idx, w, cuda: bool) -> Dict[tuple, float]:
     return {key: max(_gather(_time_us(fns[key], cfg, cuda))) for key in [(b, p) for p in PHASES for b in BACKENDS]}
 
 
+def _captured(fn):
+    """(graph, fn's result inside it): fn warmed up on a side stream, then captured once (torch's recipe)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        fn()
+        with torch.cuda.graph(graph, stream=side):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph, out
+
+
+def _graph_times(cfg: DispatchConfig, d: Dispatcher, x, idx, w) -> Dict[tuple, float]:
+    """{("graphed", phase): max over ranks of this rank's median µs per replay} for low-latency dispatch and
+    combine, each checked against the eager call first (BenchMismatch on every rank otherwise)."""
+    with torch.no_grad():
+        eager = d.dispatch(x, idx, w)
+        expect = d.combine(eager.x, eager.handle)
+        dispatch_graph, res = _captured(lambda: d.dispatch(x, idx, w))
+        combine_graph, out = _captured(lambda: d.combine(eager.x, eager.handle))
+        dispatch_graph.replay()
+        got = d.combine(res.x, res.handle)  # the replayed rows, combined eagerly
+        combine_graph.replay()
+        torch.cuda.synchronize()
+        tilecomm.check_errors()
+        tol = _TOL[x.dtype]
+        bad = [name for name, a in (("dispatch", got), ("combine", out))
+               if not torch.allclose(a.float(), expect.float(), rtol=tol, atol=tol)]
+        problems = [p for p in _gather(f"rank {dist.get_rank()}: replayed {bad} differ from eager" if bad else None) if p]
+        if problems:
+            raise BenchMismatch("dispatch: CUDA-graph replay differs from the eager call:\n  " + "\n  ".join(problems))
+        return {("graphed", "dispatch"): max(_gather(_time_us(dispatch_graph.replay, cfg, True))),
+                ("graphed", "combine"): max(_gather(_time_us(combine_graph.replay, cfg, True)))}
+
+
 def _rows(cfg: DispatchConfig, times: Dict[tuple, float], pairs: float, base: str, backend: str) -> List[dict]:
     nbytes = pairs * cfg.hidden * _DTYPES[cfg.dtype].itemsize
     rows = []
     for (b, phase), us in times.items():
-        t_ours, t_base = times[("tilecomm", phase)], times[("nccl", phase)]
+        t_ours, t_base = times[(b if b == "graphed" else "tilecomm", phase)], times[("nccl", phase)]
         rows.append({"op": "dispatch", "phase": phase, "backend": b, "us": us, "gbps": nbytes / us / 1e3,
                      "ratio": t_base / t_ours, "tilecomm_us": t_ours, "baseline_us": t_base, "bytes": nbytes,
                      "pairs": pairs, "tokens": cfg.tokens, "hidden": cfg.hidden, "experts": cfg.experts,
@@ -197,7 +238,7 @@ def _header(cfg: DispatchConfig, pairs: float, base: str, backend: str) -> str:
 
 
 def _row(r: dict) -> str:
-    ratio = f"{r['ratio']:.3g}" if r["backend"] == "tilecomm" else "(base)"
+    ratio = f"{r['ratio']:.3g}" if r["backend"] != "nccl" else "(base)"
     return _COLS.format(r["phase"], r["backend"], f"{r['tokens']}x{r['hidden']}", r["dtype"], f"{r['us']:.1f}",
                         f"{r['gbps']:.4g}", ratio)
 
@@ -217,7 +258,10 @@ def run_rank(cfg: DispatchConfig) -> List[dict]:
     pairs = statistics.mean(_gather(sum(splits) - splits[rank]))
     if rank == 0:
         print(_header(cfg, pairs, base, ctx.backend), flush=True)
-    rows = _rows(cfg, _times(cfg, ds, res, y, x, idx, w, cuda), pairs, base, ctx.backend)
+    times = _times(cfg, ds, res, y, x, idx, w, cuda)
+    if cuda and cfg.mode == "low_latency":
+        times.update(_graph_times(cfg, ds["tilecomm"], x, idx, w))
+    rows = _rows(cfg, times, pairs, base, ctx.backend)
     if rank == 0:
         print("\n".join(_row(r) for r in rows), flush=True)
         if cfg.json_path:
