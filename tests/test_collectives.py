@@ -243,6 +243,48 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
+def more_programs_than_fit(seed):
+    """A CollectiveState with 3 programs per SM (GPU ranks: more than the SMs hold at once, so late programs start
+    while their SM is busy and their warps start apart; CPU ranks: the usual one program per peer): every collective,
+    several calls, against the references. 3 per SM hung on 4 GPUs while warps of a program could disagree on its
+    epoch (comm/collectives/_exchange.py, "The epoch")."""
+    from tilecomm.collectives.state import CollectiveState
+
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    ctx = tilecomm.current()
+    gen = torch.Generator().manual_seed(seed + rank)
+    chunk, step = 16 << 10, 8 << 10
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
+    workspace = 2 * world * max(1, 3 * sms // world) * 2 * chunk
+    default, ctx.collectives = ctx.collectives, CollectiveState.create(ctx, workspace, 3, chunk, step)
+    try:
+        assert dev().type != "cuda" or ctx.collectives.programs_per_peer == max(1, 3 * sms // world)
+        for call in range(3):
+            x = torch.randn(world * (500 + 37 * call), 24, generator=gen).to(dev())
+            rows = x.shape[0] // world
+            inputs = gather_all(x)
+            a2a, ag, rs = (_poison(torch.empty_like(x)), _poison(torch.empty_like(x)),
+                           _poison(torch.empty(rows, 24, device=dev())))
+            tilecomm.all_to_all_single(a2a, x)
+            tilecomm.all_gather_into_tensor(ag, x[:rows])
+            tilecomm.reduce_scatter_tensor(rs, x)
+            tilecomm.check_errors()
+            assert torch.equal(a2a.cpu(), all_to_all_ref(inputs, [[rows] * world] * world, rank)), f"call {call}"
+            assert torch.equal(ag.cpu(), torch.cat([t[:rows] for t in inputs])), f"call {call}"
+            torch.testing.assert_close(rs.double().cpu().flatten(), reduce_scatter_ref(inputs, rank, "sum"), rtol=1e-5,
+                                       atol=1e-5)
+    finally:
+        if dev().type == "cuda":
+            torch.cuda.synchronize()
+        ctx.collectives.free()
+        ctx.collectives = default
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_more_programs_than_the_gpu_holds_at_once(ranks, world):
+    ranks(world).run(more_programs_than_fit, 41)
+
+
 def streams_through_the_ring(seed, elems_per_pair):
     """Pairs several ring slots long (the data wraps the staging ring), one rank's input on the
     symmetric heap (read in place) and the others' staged: every writer's mode is its own."""

@@ -47,14 +47,18 @@ all_to_all's reader and a reduce-scatter's writer use different slots, so nothin
 A program waits only for the program with its own pid on another rank, at an earlier step of the same
 call or at the end of the previous call, and a pid is the order in which the program started on its rank
 (abi.take_ticket; with block indices, 3 programs per SM hung on 4 H200s), so the running programs are always
-the lowest pids on each rank: the Triton interpreter (programs one after another) never deadlocks, and a GPU grid
-that is not co-resident (another kernel holds some SMs) should not either. Measured against that: 3 programs per SM
-(396 programs, 264 resident at once) still hung on 4 H100s (2026-11-26 evening) with tickets, though every program
-had taken its ticket; 1-2 slots per rank, all of late tickets, never got their header (cause open:
-tests/collective_sweep.py --snapshot reads a hung call's words). tests/test_collectives.py runs the collectives on a
-side stream beside matmuls that hold SMs. The default grid fits: two programs per SM, and both kernels keep to 128
-registers a thread so that two 256-thread programs share an SM (tests/test_gpu_compile.py checks it). Every wait has
-the runtime's timeout.
+the lowest pids on each rank: the Triton interpreter (programs one after another) never deadlocks, nor does a GPU grid
+that is not co-resident (another kernel holds some SMs, or more programs than fit). The default grid fits: two
+programs per SM, and both kernels keep to 128 registers a thread so that two 256-thread programs share an SM
+(tests/test_gpu_compile.py checks it). Every wait has the runtime's timeout.
+
+The epoch: a program's epoch is a scalar that every thread loads and thread 0 alone stores back bumped (that is
+how Triton lowers a scalar load and store). Without a barrier between them, a warp that reaches the load after
+thread 0's store reads the new epoch and bumps it again: its base is a call ahead, so it waits for a `done` that never
+comes, and the program never reaches the barrier in front of its header's signal (its timeout is not even recorded:
+only thread 0 records). That was the hang of 3 programs per SM on 4 H200s and 4 H100s (2026-11-26; the state words
+read during the hang by tests/collective_sweep.py --snapshot showed every program started and 1-2 late programs per
+rank without a header); late programs start while their SM is busy, so their warps start apart.
 """
 from __future__ import annotations
 
@@ -187,6 +191,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     dst = (me + k) % W
     src = (me + W - k) % W
     e = tl.load(epoch_ptr + pid) + 1
+    tl.debug_barrier()  # every warp has read the old epoch before thread 0 stores the new one (module docstring, "The epoch")
     tl.store(epoch_ptr + pid, e)
     base = e << 32
     last = ((e + 1) << 32) - 1  # done word of a reader that has finished this call
@@ -313,6 +318,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     me = tcl.rank()
     W = tcl.num_ranks()
     e = tl.load(epoch_ptr + q) + 1
+    tl.debug_barrier()  # every warp has read the old epoch before thread 0 stores the new one (module docstring, "The epoch")
     base = e << 32
     last = ((e + 1) << 32) - 1
     n64 = n + 0 * e

@@ -126,8 +126,7 @@ class CollectiveState:
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes, depth: the tuning knobs (GPU; the benchmarks sweep them).
-        More programs than the GPU holds at once (3 per SM) hung on 4 H100s and 4 H200s (_exchange.py)."""
+        """programs_per_sm, chunk_bytes, block_bytes, depth: the tuning knobs (GPU; the benchmarks sweep them)."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
         if on_gpu:
