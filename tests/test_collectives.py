@@ -243,11 +243,12 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
-def more_programs_than_fit(seed):
-    """A CollectiveState with 3 programs per SM (GPU ranks: more than the SMs hold at once, so late programs start
-    while their SM is busy and their warps start apart; CPU ranks: the usual one program per peer): every collective,
-    several calls, against the references. 3 per SM hung on 4 GPUs while warps of a program could disagree on its
-    epoch (comm/collectives/_exchange.py, "The epoch")."""
+def under_other_knobs(seed, programs_per_sm, rs_stagger):
+    """Every collective, several calls of fresh sizes, on a CollectiveState made with other tuning knobs, against
+    the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
+    ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
+    apart: that hung while warps of a program could disagree on its epoch, comm/collectives/_exchange.py "The
+    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -255,10 +256,11 @@ def more_programs_than_fit(seed):
     gen = torch.Generator().manual_seed(seed + rank)
     chunk, step = 16 << 10, 8 << 10
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
-    workspace = 2 * world * max(1, 3 * sms // world) * 2 * chunk
-    default, ctx.collectives = ctx.collectives, CollectiveState.create(ctx, workspace, 3, chunk, step)
+    workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
+    state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger)
+    default, ctx.collectives = ctx.collectives, state
     try:
-        assert dev().type != "cuda" or ctx.collectives.programs_per_peer == max(1, 3 * sms // world)
+        assert dev().type != "cuda" or state.programs_per_peer == max(1, programs_per_sm * sms // world)
         for call in range(3):
             x = torch.randn(world * (500 + 37 * call), 24, generator=gen).to(dev())
             rows = x.shape[0] // world
@@ -276,13 +278,14 @@ def more_programs_than_fit(seed):
     finally:
         if dev().type == "cuda":
             torch.cuda.synchronize()
-        ctx.collectives.free()
+        state.free()
         ctx.collectives = default
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_more_programs_than_the_gpu_holds_at_once(ranks, world):
-    ranks(world).run(more_programs_than_fit, 41)
+@pytest.mark.parametrize("knobs", [(3, False), (2, True)], ids=["three_programs_per_sm", "staggered_reduce_scatter"])
+def test_collectives_under_other_knobs(ranks, world, knobs):
+    ranks(world).run(under_other_knobs, 41, *knobs)
 
 
 def streams_through_the_ring(seed, elems_per_pair):

@@ -37,7 +37,8 @@ k * C + q, in words and a ring of its own (CollectiveState.rs_words, rs_ring), w
 of two at most 1/W of a pair slot's. Its steps are the pairs kernel's: a staged writer pushes its chunk i for
 each reader into that reader's ring and signals it; the reader reduces from its own ring (and straight from a
 writer's tensor where that writer's input is on the heap); a writer pushes chunk i + 1 before it reduces chunk i,
-so that its pushes overlap its readers' reductions. (Until 2026-11-26 the writers staged into their
+so that its pushes overlap its readers' reductions. With STAGGER (CollectiveState.rs_stagger, a sweep knob, off by
+default until measured) odd columns reduce chunk i first, so that half the programs push while half reduce. (Until 2026-11-26 the writers staged into their
 own ring and the readers pulled: 0.50x NCCL at W = 4, against 0.93x in place.)
 
 Reduce-scatter has a ring of its own because a push lands in a peer's ring while that peer may still be in
@@ -303,10 +304,51 @@ def _push_chunk(heap_ptr, in_ptr, dst, ring_at, n, c, chunk, BLOCK: tl.constexpr
           BLOCK, VEC)
 
 
+@jit
+def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64, ring_off, base,
+               CHUNK: tl.constexpr, DEPTH: tl.constexpr, PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """reduce_scatter, staged writer: my chunk i of column q into every reader's ring slot i % DEPTH, each once
+    that reader is done with what the slot held, then its ready signal."""
+    c = (q + i * P).to(tl.int64) * chunk
+    for k in range(0, W):
+        dst = (me + k) % W
+        slot = k * P + q
+        if i >= DEPTH:  # the reader must be done with what this ring slot held
+            tcl.wait(done_ptr + slot, base + i + 1 - DEPTH, tcl.CMP_GE)
+        _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK + (i % DEPTH) * CHUNK, n64, c, chunk,
+                    PUSH_BLOCK, VEC)
+        tcl.signal(ready_ptr + slot, base + i + 1, dst, tcl.SIGNAL_SET)
+
+
+@jit
+def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i, n_chunks, chunk,
+                 n64, base, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, CHUNK: tl.constexpr,
+                 DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """reduce_scatter, reader: output chunk i of column q = op over the writers' chunk i (staged writers' from my
+    ring once they signal it, in-place writers' from their tensors), then tell the staged writers it is done."""
+    c = (q + i * P).to(tl.int64) * chunk
+    length = tl.minimum(chunk, n64 - c)
+    for p in range(0, W):  # staged writers: their chunk i is in my ring
+        if _pick(in_place, ps, p) == 0:
+            tcl.wait(ready_ptr + ((me + W - p) % W) * P + q, base + i + 1, tcl.CMP_GE)
+    src_offs = base_offs + tl.where(in_place == 0, (i % DEPTH) * CHUNK, c)
+    full = length // BLOCK * BLOCK
+    for s in range(0, full, BLOCK):  # whole blocks unmasked (16-byte vectors), then the tail
+        _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, tl.multiple_of(s, BLOCK), length, False,
+                     OP, ACC, AVG, BLOCK, VEC)
+    if full < length:
+        _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, full, length, True, OP, ACC, AVG, BLOCK, VEC)
+    if i < n_chunks - 1:  # the last chunk's "done" is the final signal below
+        for p in range(0, W):
+            if _pick(in_place, ps, p) == 0:
+                tcl.signal(done_ptr + ((me + W - p) % W) * P + q, base + i + 1, p, tcl.SIGNAL_SET)
+
+
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n", "P"])
 def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
-                   PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr):
+                   PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr,
+                   STAGGER: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the slots k * P + q of every k (P here is the column count the
     host passes, C = W * programs_per_peer; words_ptr is its own word set, ring_off its own ring). As a
@@ -345,35 +387,25 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     base_offs = tl.where(in_place == 0, ring_off + slots * DEPTH * CHUNK,
                          _peer_delta(heap_ptr, ps % W) + tl.load(meta_ptr + 4 * slots, mask=ps < W, other=0,
                                                                  cache_modifier=".cg"))
+    # STAGGER: odd columns reduce chunk i before pushing chunk i + 1, even ones after, so that at any moment about
+    # half the programs push (NVLink) while the other half reduce (local memory), instead of all of them doing each
+    # in turn. Column q only waits for column q (on every rank, the same parity), so either order is deadlock-free.
     for i in range(0, n_chunks):
-        c = (q + i * P).to(tl.int64) * chunk
-        length = tl.minimum(chunk, n64 - c)
-        ring_slot = (i % DEPTH) * CHUNK
+        if STAGGER:
+            if q % 2 == 1:
+                _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i,
+                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
         if not IN_PLACE:
-            if i + 1 < n_chunks:  # push chunk i + 1 (chunk 0 went with the header) before reducing chunk i
-                c_next = c + P * chunk
-                for k in range(0, W):
-                    dst = (me + k) % W
-                    slot = k * P + q
-                    if i + 1 >= DEPTH:  # the reader must be done with what this ring slot held
-                        tcl.wait(done_ptr + slot, base + i + 2 - DEPTH, tcl.CMP_GE)
-                    _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK + ((i + 1) % DEPTH) * CHUNK,
-                                n64, c_next, chunk, PUSH_BLOCK, VEC)
-                    tcl.signal(ready_ptr + slot, base + i + 2, dst, tcl.SIGNAL_SET)
-        for p in range(0, W):  # staged writers: their chunk i is in my ring
-            if _pick(in_place, ps, p) == 0:
-                tcl.wait(ready_ptr + ((me + W - p) % W) * P + q, base + i + 1, tcl.CMP_GE)
-        src_offs = base_offs + tl.where(in_place == 0, ring_slot, c)
-        full = length // BLOCK * BLOCK
-        for s in range(0, full, BLOCK):  # whole blocks unmasked (16-byte vectors), then the tail
-            _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, tl.multiple_of(s, BLOCK), length, False,
-                         OP, ACC, AVG, BLOCK, VEC)
-        if full < length:
-            _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, full, length, True, OP, ACC, AVG, BLOCK, VEC)
-        if i < n_chunks - 1:  # the last chunk's "done" is the final signal below
-            for p in range(0, W):
-                if _pick(in_place, ps, p) == 0:
-                    tcl.signal(done_ptr + ((me + W - p) % W) * P + q, base + i + 1, p, tcl.SIGNAL_SET)
+            if i + 1 < n_chunks:  # chunk 0 went with the header
+                _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64, ring_off, base,
+                           CHUNK, DEPTH, PUSH_BLOCK, VEC)
+        if STAGGER:
+            if q % 2 == 0:
+                _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i,
+                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
+        else:
+            _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i, n_chunks,
+                         chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
     # finish: every writer may reuse its ring region on me and its words; my input, where readers load it
     # in place, is free once they say they are done (a staged writer exits: its next call waits instead)
     for p in range(0, W):

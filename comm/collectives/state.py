@@ -99,6 +99,7 @@ class CollectiveState:
     tables: torch.Tensor
     num_warps: int
     depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
+    rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_exchange.py; a sweep knob)
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment), the ring's heap offset, the split
     # tables' slots (views, the event of the call that last used each, a NumPy view to fill them)
@@ -125,8 +126,9 @@ class CollectiveState:
 
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
-               block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes, depth: the tuning knobs (GPU; the benchmarks sweep them)."""
+               block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = False) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger: the tuning knobs (GPU; the benchmarks sweep
+        them)."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
         if on_gpu:
@@ -157,7 +159,7 @@ class CollectiveState:
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
-        return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
+        return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth, rs_stagger,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
@@ -229,7 +231,7 @@ class CollectiveState:
                 op, average, in_place, acc = key[3:]
                 # a reduce step loads W writers' blocks at once: half a step (8192 bf16 elements spilled on sm_90)
                 config.update(OP=op, ACC=acc, AVG=average, IN_PLACE=in_place, MAX_W=self._max_w,
-                              TAG=kx.op_tag(3, elem), PUSH_BLOCK=block,
+                              TAG=kx.op_tag(3, elem), PUSH_BLOCK=block, STAGGER=self.rs_stagger,
                               BLOCK=max(block // 2, 1) if self.ctx.backend == "cuda" else block)
             self._configs[key] = config
         return config
