@@ -6,7 +6,8 @@ For each case, tilecomm's call and torch.distributed's (NCCL) on the same tensor
 calls back to back, one synchronize), host µs per call (the same calls without the wait), and the GPU time
 of one call: torch.profiler over 6 calls back to back, the median of calls 2-6's summed kernel time (the
 first absorbs the ranks' profiler start skew; a collective kernel's time includes its waits for peers),
-with the kernel names. Rank 0 prints; every rank runs. Not a test (no assertions: the bench checks
+with the kernel names; for normal dispatch / combine also each kernel's time and a call's span (first kernel start
+to last kernel end). Rank 0 prints; every rank runs. Not a test (no assertions: the bench checks
 results); its output is the profile a note cites. (On 4 H200s, 2026-11-26, the kernel column was one
 profiled call's, skew up to 87 ms; now it is the steady calls'.)
 """
@@ -26,6 +27,7 @@ CASES = [("all_to_all", (128, 7168), False), ("all_to_all", (128, 7168), True),
          ("reduce_scatter", (8192, 8192), True)]
 UNEVEN = [(128, 7168), (4096, 7168)]  # all_to_all with the bench's --uneven splits
 LOW_LATENCY = dict(tokens=128, hidden=7168, experts=256, topk=8)  # the bench's low-latency dispatch
+NORMAL = dict(tokens=4096, hidden=7168, experts=256, topk=8)  # the bench's normal dispatch (DeepSeek-V3 shape)
 
 
 def _tensors(op, shape, symmetric, world):
@@ -63,6 +65,45 @@ def _low_latency_calls():
             ("low_latency combine 128x7168", lambda: d.combine(y, res.handle))]
 
 
+def _normal_calls():
+    """[(label, call)]: normal-mode dispatch and combine (the bench's shape)."""
+    c = NORMAL
+    d = Dispatcher(c["experts"], c["hidden"], c["tokens"], c["topk"], torch.bfloat16)
+    x = torch.randn(c["tokens"], c["hidden"], device="cuda").to(torch.bfloat16)
+    w, idx = torch.rand(c["tokens"], c["experts"], device="cuda").topk(c["topk"], dim=1)
+    res = d.dispatch(x, idx, w)
+    y = torch.randn_like(res.x)
+    return [("normal dispatch 4096x7168", lambda: d.dispatch(x, idx, w)),
+            ("normal combine 4096x7168", lambda: d.combine(y, res.handle))]
+
+
+def _kernel_timeline(rank, label, call, calls=6):
+    """Each kernel's (and memcpy's) mean µs per call, in launch order, and a call's span from its first
+    kernel's start to its last one's end (calls 2.. of `calls` back to back): which kernel holds the time, and
+    how much of the span no kernel covers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    per_call = max(1, len(events) // calls)
+    steady = events[per_call:]
+    names = [e.name[:32] for e in events[:per_call]]
+    means = [sum(e.device_time_total for e in steady[i::per_call]) / max(1, calls - 1) for i in range(per_call)]
+    spans = [steady[i + per_call - 1].time_range.end - steady[i].time_range.start
+             for i in range(0, len(steady) - per_call + 1, per_call)]
+    if rank == 0:
+        parts = "  ".join(f"{n} {m:.1f}" for n, m in zip(names, means))
+        print(f"{label:<28} timeline: span {sorted(spans)[len(spans) // 2]:.1f} µs, kernels {sum(means):.1f}: {parts}",
+              flush=True)
+
+
 def _report(rank, label, lib, call):
     dist.barrier()
     wall = measure.per_call_us(call)
@@ -79,7 +120,7 @@ def main():
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    tilecomm.init(heap_bytes=1 << 30)
+    tilecomm.init(heap_bytes=2 << 30)  # the normal Dispatcher takes 450 MiB at 4 ranks
     world, rank = dist.get_world_size(), dist.get_rank()
     ours = {"all_to_all": tilecomm.all_to_all_single, "all_gather": tilecomm.all_gather_into_tensor,
             "reduce_scatter": tilecomm.reduce_scatter_tensor}
@@ -98,6 +139,9 @@ def main():
             _report(rank, f"all_to_all {shape[0]}x{shape[1]} uneven", lib, call)
     for label, call in _low_latency_calls():
         _report(rank, label, "tilecomm", call)
+    for label, call in _normal_calls():
+        _report(rank, label, "tilecomm", call)
+        _kernel_timeline(rank, label, call)
     tilecomm.check_errors()
     tilecomm.finalize()
     dist.destroy_process_group()
