@@ -243,12 +243,13 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
-def under_other_knobs(seed, programs_per_sm, rs_stagger):
+def under_other_knobs(seed, programs_per_sm, rs_stagger, device_tables):
     """Every collective, several calls of fresh sizes, on a CollectiveState made with other tuning knobs, against
     the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
     ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
     apart: that hung while warps of a program could disagree on its epoch, comm/collectives/_exchange.py "The
-    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push."""
+    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push.
+    device_tables (GPU ranks): uneven split tables copied to device memory."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -257,7 +258,8 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger):
     chunk, step = 16 << 10, 8 << 10
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
-    state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger)
+    state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
+                                   device_tables=device_tables)
     default, ctx.collectives = ctx.collectives, state
     try:
         assert dev().type != "cuda" or state.programs_per_peer == max(1, programs_per_sm * sms // world)
@@ -267,11 +269,19 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger):
             inputs = gather_all(x)
             a2a, ag, rs = (_poison(torch.empty_like(x)), _poison(torch.empty_like(x)),
                            _poison(torch.empty(rows, 24, device=dev())))
+            splits = _uneven_splits(world, torch.Generator().manual_seed(1000 * rank + seed + call), max_rows=rows)
+            all_splits = [None] * world
+            dist.all_gather_object(all_splits, splits)
+            recv = [all_splits[p][rank] for p in range(world)]
+            xu = x[:sum(splits)]
+            a2a_uneven = _poison(torch.empty(sum(recv), 24, device=dev()))
             tilecomm.all_to_all_single(a2a, x)
+            tilecomm.all_to_all_single(a2a_uneven, xu, recv, splits)
             tilecomm.all_gather_into_tensor(ag, x[:rows])
             tilecomm.reduce_scatter_tensor(rs, x)
             tilecomm.check_errors()
             assert torch.equal(a2a.cpu(), all_to_all_ref(inputs, [[rows] * world] * world, rank)), f"call {call}"
+            assert torch.equal(a2a_uneven.cpu(), all_to_all_ref(gather_all(xu), all_splits, rank)), f"call {call}"
             assert torch.equal(ag.cpu(), torch.cat([t[:rows] for t in inputs])), f"call {call}"
             torch.testing.assert_close(rs.double().cpu().flatten(), reduce_scatter_ref(inputs, rank, "sum"), rtol=1e-5,
                                        atol=1e-5)
@@ -283,7 +293,8 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("knobs", [(3, False), (2, True)], ids=["three_programs_per_sm", "staggered_reduce_scatter"])
+@pytest.mark.parametrize("knobs", [(3, False, False), (2, True, True)],
+                         ids=["three_programs_per_sm", "staggered_reduce_scatter_device_tables"])
 def test_collectives_under_other_knobs(ranks, world, knobs):
     ranks(world).run(under_other_knobs, 41, *knobs)
 
