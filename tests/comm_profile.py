@@ -82,17 +82,7 @@ def _kernel_timeline(rank, label, call, calls=6):
     """Each kernel's (and memcpy's) mean µs per call, in launch order, and a call's span from its first
     kernel's start to its last one's end (calls 2.. of `calls` back to back): which kernel holds the time, and
     how much of the span no kernel covers."""
-    from torch.profiler import ProfilerActivity, profile
-
-    call()
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+    events = measure.gpu_events(call, calls, settle=dist.barrier)
     per_call = max(1, len(events) // calls)
     steady = events[per_call:]
     names = [e.name[:32] for e in events[:per_call]]

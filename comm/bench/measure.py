@@ -55,14 +55,9 @@ def kernels_per_call(fn: Callable[[], object], on_gpu: bool = True):
     return count, us
 
 
-def kernel_profile(fn: Callable[[], object], calls: int = 1, on_gpu: bool = True,
-                   settle: Optional[Callable[[], object]] = None):
-    """(GPU kernels and memcpys per call, a call's summed device time in µs, the kernels' names), from
-    torch.profiler over `calls` calls back to back after one warm-up call. With calls > 1 the time is the
-    median over calls 2.. (the first absorbs start-up skew, e.g. ranks starting their profilers apart).
-    settle: run after the warm-up, before profiling (e.g. a barrier between ranks)."""
-    if not on_gpu:
-        return 0, 0.0, ""
+def gpu_events(fn: Callable[[], object], calls: int, settle: Optional[Callable[[], object]] = None) -> list:
+    """The GPU kernels and memcpys (torch.profiler events, in start order) of `calls` calls of fn back to back,
+    after one warm-up call and `settle` (e.g. a barrier between ranks)."""
     fn()
     torch.cuda.synchronize()
     if settle is not None:
@@ -73,8 +68,19 @@ def kernel_profile(fn: Callable[[], object], calls: int = 1, on_gpu: bool = True
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def kernel_profile(fn: Callable[[], object], calls: int = 1, on_gpu: bool = True,
+                   settle: Optional[Callable[[], object]] = None):
+    """(GPU kernels and memcpys per call, a call's summed device time in µs, the kernels' names), from
+    torch.profiler over `calls` calls back to back after one warm-up call. With calls > 1 the time is the
+    median over calls 2.. (the first absorbs start-up skew, e.g. ranks starting their profilers apart).
+    settle: run after the warm-up, before profiling (e.g. a barrier between ranks)."""
+    if not on_gpu:
+        return 0, 0.0, ""
+    events = gpu_events(fn, calls, settle)
     names = ", ".join(sorted({e.name[:40] for e in events}))
     if calls == 1:
         return len(events), sum(e.device_time_total for e in events), names
