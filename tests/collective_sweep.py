@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 4 tests/collective_sweep.py [--configs "1/128/32,2/64/32"]
 
-Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 1: staggered reduce_scatter]]: the runtime's CollectiveState is
-replaced by one made with those knobs (and a workspace that holds two rings of that chunk), every case is
-checked against NCCL's result once, then timed (µs per call, 50 calls back to back, the slowest rank's).
+Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 1: staggered
+reduce_scatter]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
+holds two rings of that chunk), every case is checked against NCCL's result once, then timed (µs per call, 50
+calls back to back, the slowest rank's).
 The defaults in comm/collectives/state.py (two per SM / 128 / 32) came from this sweep on 4 H200s
 (BENCHMARKS.md, 2026-11-26 afternoon). Rank 0 prints one row per (case, config) and NCCL's time beside it.
 

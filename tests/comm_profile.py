@@ -7,8 +7,8 @@ calls back to back, one synchronize), host µs per call (the same calls without 
 of one call: torch.profiler over 6 calls back to back, the median of calls 2-6's summed kernel time (the
 first absorbs the ranks' profiler start skew; a collective kernel's time includes its waits for peers),
 with the kernel names; the uneven all_to_all also with its split tables in device memory ("tc dtab",
-CollectiveState.device_tables); for normal dispatch / combine also each kernel's time and a call's span (first kernel start
-to last kernel end). Rank 0 prints; every rank runs. Not a test (no assertions: the bench checks
+CollectiveState.device_tables); for normal dispatch / combine also each kernel's time and a call's span (first
+kernel start to last kernel end). Rank 0 prints; every rank runs. Not a test (no assertions: the bench checks
 results); its output is the profile a note cites. (On 4 H200s, 2026-11-26, the kernel column was one
 profiled call's, skew up to 87 ms; now it is the steady calls'.)
 """

@@ -71,8 +71,9 @@ def table_read_probe():
             table_reader[grid](table, out, W)
         end.record()
         torch.cuda.synchronize()
-        print(f"split table in {name} memory: {start.elapsed_time(end) * 1e3 / 200:.1f} GPU µs per launch of {grid[0]} "
-              f"programs (queued behind a sleep kernel, so back to back on the GPU)")
+        us = start.elapsed_time(end) * 1e3 / 200
+        print(f"split table in {name} memory: {us:.1f} GPU µs per launch of {grid[0]} programs (queued behind a "
+              f"sleep kernel, so back to back on the GPU)")
 
 
 def main():

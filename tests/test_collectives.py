@@ -216,8 +216,8 @@ def beside_busy_sms(seed):
     a = torch.randn(n, n, generator=gen).to(dev())
     x = torch.randn(world * rows, 64, generator=gen).to(dev())
     inputs = gather_all(x)
-    refs = {"a2a": all_to_all_ref(inputs, [[rows] * world] * world, rank), "rs": reduce_scatter_ref(inputs, rank, "sum"),
-            "ag": torch.cat([t[:rows] for t in inputs])}
+    refs = {"a2a": all_to_all_ref(inputs, [[rows] * world] * world, rank),
+            "rs": reduce_scatter_ref(inputs, rank, "sum"), "ag": torch.cat([t[:rows] for t in inputs])}
     side = torch.cuda.Stream() if cuda else None
     for trial in range(3):
         outs = {k: _poison(torch.empty(v.shape, device=dev())) for k, v in refs.items()}

@@ -197,7 +197,8 @@ def _graph_times(cfg: DispatchConfig, d: Dispatcher, x, idx, w) -> Dict[tuple, f
         tol = _TOL[x.dtype]
         bad = [name for name, a in (("dispatch", got), ("combine", out))
                if not torch.allclose(a.float(), expect.float(), rtol=tol, atol=tol)]
-        problems = [p for p in _gather(f"rank {dist.get_rank()}: replayed {bad} differ from eager" if bad else None) if p]
+        mine = f"rank {dist.get_rank()}: replayed {bad} differ from eager" if bad else None
+        problems = [p for p in _gather(mine) if p]
         if problems:
             raise BenchMismatch("dispatch: CUDA-graph replay differs from the eager call:\n  " + "\n  ".join(problems))
         return {("graphed", "dispatch"): max(_gather(_time_us(dispatch_graph.replay, cfg, True))),

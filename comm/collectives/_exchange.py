@@ -38,8 +38,9 @@ of two at most 1/W of a pair slot's. Its steps are the pairs kernel's: a staged 
 each reader into that reader's ring and signals it; the reader reduces from its own ring (and straight from a
 writer's tensor where that writer's input is on the heap); a writer pushes chunk i + 1 before it reduces chunk i,
 so that its pushes overlap its readers' reductions. With STAGGER (CollectiveState.rs_stagger, a sweep knob, off by
-default until measured) odd columns reduce chunk i first, so that half the programs push while half reduce. (Until 2026-11-26 the writers staged into their
-own ring and the readers pulled: 0.50x NCCL at W = 4, against 0.93x in place.)
+default until measured) odd columns reduce chunk i first, so that half the programs push while half reduce. (Until
+2026-11-26 the writers staged into their own ring and the readers pulled: 0.50x NCCL at W = 4, against 0.93x in
+place.)
 
 Reduce-scatter has a ring of its own because a push lands in a peer's ring while that peer may still be in
 its previous collective: two pairs calls in a row are kept apart by the per-slot reuse wait (step 0), but an
@@ -192,7 +193,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     dst = (me + k) % W
     src = (me + W - k) % W
     e = tl.load(epoch_ptr + pid) + 1
-    tl.debug_barrier()  # every warp has read the old epoch before thread 0 stores the new one (module docstring, "The epoch")
+    tl.debug_barrier()  # every warp reads the old epoch before thread 0 stores the new one (docstring: "The epoch")
     tl.store(epoch_ptr + pid, e)
     base = e << 32
     last = ((e + 1) << 32) - 1  # done word of a reader that has finished this call
@@ -360,7 +361,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     me = tcl.rank()
     W = tcl.num_ranks()
     e = tl.load(epoch_ptr + q) + 1
-    tl.debug_barrier()  # every warp has read the old epoch before thread 0 stores the new one (module docstring, "The epoch")
+    tl.debug_barrier()  # every warp reads the old epoch before thread 0 stores the new one (docstring: "The epoch")
     base = e << 32
     last = ((e + 1) << 32) - 1
     n64 = n + 0 * e

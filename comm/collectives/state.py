@@ -165,11 +165,11 @@ class CollectiveState:
         rs_words = heap_tensor((7 * W * slots + 1,), torch.int64)
         rs_words.zero_()
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
-        rows = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, device=ctx.device) if on_gpu else None
+        device_rows = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, device=ctx.device) if on_gpu else None
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
-        return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth, rs_stagger,
-                   device_tables and on_gpu, rows,
+        return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
+                   rs_stagger, device_tables and on_gpu, device_rows,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
