@@ -26,6 +26,23 @@ def dev() -> torch.device:
     return tilecomm.current().device
 
 
+def poison(t):
+    """t filled with a value no collective produces here (outputs are poisoned before a call)."""
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    if t.dtype in (torch.float8_e4m3fn,):
+        t.view(torch.uint8).fill_(0x7F)
+        return t
+    return t.fill_(-77)
+
+
+def uneven_splits(world, gen, max_rows=7):
+    """Rows this rank sends to each rank: random, zeros included; sometimes none at all."""
+    if torch.rand(1, generator=gen).item() < 0.25:
+        return [0] * world  # a rank that sends nothing at all
+    return [int(v) for v in torch.randint(0, max_rows, (world,), generator=gen)]
+
+
 def gather_all(t: torch.Tensor) -> list:
     """Every rank's tensor t (any shape per rank), via gloo object all-gather."""
     out = [None] * dist.get_world_size()
