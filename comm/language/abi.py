@@ -80,7 +80,10 @@ def compare_numpy(words, value, cmp: int):
 @triton.jit
 def record_error(err_ptr, code, rank, a, b, c, d):
     """Fill the error record at err_ptr unless an error is there already (first error wins). Plain stores: on
-    GPUs the record is pinned host memory. tl.cast, not .to(): an int argument equal to 1 arrives as a constexpr."""
+    GPUs the record is pinned host memory. tl.cast, not .to(): an int argument equal to 1 arrives as a constexpr.
+    On GPUs Triton issues these scalar stores from the program's thread 0 only: a call that only another warp
+    reaches records nothing (a wait timing out in one warp alone; waits whose value every warp agrees on time out
+    in warp 0 too, see collectives/_exchange.py, "The epoch")."""
     if tl.load(err_ptr, volatile=True) == 0:
         tl.store(err_ptr + 1, tl.cast(rank, tl.int64))
         tl.store(err_ptr + 2, tl.cast(a, tl.int64))
