@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node 4 tests/collective_sweep.py [--configs "1/128/32,2/64/32"]
 
-Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 1: staggered
-reduce_scatter]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
+Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 0: reduce_scatter
+unstaggered (default 1, CollectiveState.rs_stagger)]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
 holds two rings of that chunk), every case is checked against NCCL's result once, then timed (µs per call, 50
 calls back to back, the slowest rank's).
 The defaults in comm/collectives/state.py (two per SM / 128 / 32) came from this sweep on 4 H200s
@@ -30,7 +30,7 @@ from tilecomm.collectives.state import DEPTH, CollectiveState
 
 CASES = [("all_to_all", (4096, 7168)), ("all_to_all", (128, 7168)), ("all_gather", (8192, 8192)),
          ("reduce_scatter", (8192, 8192))]
-DEFAULT_CONFIGS = "2/128/32,2/128/32/2/1,3/128/32,3/128/32/2/1,1/256/32,2/256/32/2/1"
+DEFAULT_CONFIGS = "2/128/32,2/128/32/2/0,3/128/32,1/256/32,2/256/32"
 
 
 def _tensors(op, shape, world):
@@ -123,7 +123,7 @@ def main():
     sms = torch.cuda.get_device_properties(local).multi_processor_count
     for config in args.configs.split(","):
         per_sm, chunk_k, block_k, *rest = [int(v) for v in config.split("/")]
-        depth, stagger = (rest + [DEPTH, 0][len(rest):])[:2]
+        depth, stagger = (rest + [DEPTH, 1][len(rest):])[:2]
         slots = world * max(1, per_sm * sms // world)
         workspace = 2 * slots * depth * (chunk_k << 10)
         ctx.collectives = CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth,

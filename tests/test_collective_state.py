@@ -58,7 +58,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, device_tables):
     the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
     ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
     apart: that hung while warps of a program could disagree on its epoch, comm/collectives/_exchange.py "The
-    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push.
+    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push (the default), or not.
     device_tables (GPU ranks): uneven split tables copied to device memory."""
     from tilecomm.collectives.state import CollectiveState
 
@@ -104,7 +104,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, device_tables):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("knobs", [(3, False, False), (2, True, True)],
-                         ids=["three_programs_per_sm", "staggered_reduce_scatter_device_tables"])
+                         ids=["three_programs_per_sm_unstaggered", "staggered_reduce_scatter_device_tables"])
 def test_collectives_under_other_knobs(ranks, world, knobs):
     ranks(world).run(under_other_knobs, 41, *knobs)
 
