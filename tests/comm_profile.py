@@ -6,8 +6,7 @@ For each case, tilecomm's call and torch.distributed's (NCCL) on the same tensor
 calls back to back, one synchronize), host µs per call (the same calls without the wait), and the GPU time
 of one call: torch.profiler over 6 calls back to back, the median of calls 2-6's summed kernel time (the
 first absorbs the ranks' profiler start skew; a collective kernel's time includes its waits for peers),
-with the kernel names; the uneven all_to_all also with its split tables in device memory ("tc dtab",
-CollectiveState.device_tables); for normal dispatch / combine also each kernel's time and a call's span (first
+with the kernel names; for normal dispatch / combine also each kernel's time and a call's span (first
 kernel start to last kernel end). Rank 0 prints; every rank runs. Not a test (no assertions: the bench checks
 results); its output is the profile a note cites. (On 4 H200s, 2026-11-26, the kernel column was one
 profiled call's, skew up to 87 ms; now it is the steady calls'.)
@@ -129,10 +128,6 @@ def main():
         calls = _uneven_calls(shape, world, rank)
         for lib, call in zip(("tilecomm", "nccl"), calls):
             _report(rank, f"all_to_all {shape[0]}x{shape[1]} uneven", lib, call)
-        # the same with each call's split table copied to device memory (CollectiveState.device_tables)
-        tilecomm.current().collectives.device_tables = True
-        _report(rank, f"all_to_all {shape[0]}x{shape[1]} uneven", "tc dtab", calls[0])
-        tilecomm.current().collectives.device_tables = False
     for label, call in _low_latency_calls():
         _report(rank, label, "tilecomm", call)
     for label, call in _normal_calls():

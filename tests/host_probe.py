@@ -6,8 +6,8 @@ Each line is host µs per call of N calls back to back (no wait), for: the whole
 argument checks alone, the CollectiveState call alone, CachedLaunch.launch with the call's own
 arguments, the compiled kernel's run() with the values it is handed, and floors: torch's copy_, a
 Triton kernel of 1 and of 20 arguments launched through run(); then the GPU time of reading a split table from
-pinned host memory against device memory (table_read_probe), and an uneven all_to_all's host and GPU time with
-each way of getting its split table to the GPU (uneven_table_probe). Not a test (no assertions)."""
+pinned host memory against device memory (table_read_probe) (the uneven all_to_all's kernels read theirs from pinned
+memory: copying it to the device first cost more, BENCHMARKS.md 2026-11-26). Not a test (no assertions)."""
 import time
 
 import torch
@@ -77,36 +77,6 @@ def table_read_probe():
               f"sleep kernel, so back to back on the GPU)")
 
 
-def uneven_table_probe(x, out):
-    """Host and GPU µs per uneven all_to_all (the state's exchange with explicit split tables, world 1) with the
-    table read from pinned host memory, copied to device memory by torch's copy_, and by cuMemcpyHtoDAsync."""
-    state = tilecomm.current().collectives
-    n = x.numel()
-    saved = state.device_tables, state._h2d
-    for name, device_tables, h2d in (("pinned reads", False, saved[1]), ("device row, torch copy_", True, None),
-                                     ("device row, cuMemcpyHtoDAsync", True, saved[1])):
-        if device_tables and h2d is None and name.endswith("Async"):
-            print(f"uneven table, {name}: cuda-python missing")
-            continue
-        state.device_tables, state._h2d = device_tables, h2d
-        out.zero_()
-        call = lambda: state.exchange(x, out, [(0, n)], [(0, n)], 0, gather=False)  # noqa: E731
-        call()
-        torch.cuda.synchronize()
-        same = torch.equal(out, x)
-        host = host_us(call, n=1000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(200_000_000)
-        start.record()
-        for _ in range(200):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        print(f"uneven all_to_all 128x7168, table {name:32s} host µs {host:6.1f}  GPU µs "
-              f"{start.elapsed_time(end) * 1e3 / 200:6.1f}  correct {same}")
-    state.device_tables, state._h2d = saved
-
-
 def main():
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
     x = torch.randn(128, 7168, device="cuda").bfloat16()
@@ -158,7 +128,6 @@ def main():
     for name, us in rows:
         print(f"  {name:45s} {us:8.2f}")
     table_read_probe()
-    uneven_table_probe(x, out)
     low_latency_profile()
     matmul_profile()
     tilecomm.finalize()

@@ -53,13 +53,12 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
-def under_other_knobs(seed, programs_per_sm, rs_stagger, device_tables):
+def under_other_knobs(seed, programs_per_sm, rs_stagger):
     """Every collective, several calls of fresh sizes, on a CollectiveState made with other tuning knobs, against
     the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
     ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
     apart: that hung while warps of a program could disagree on its epoch, comm/collectives/_exchange.py "The
-    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push (the default), or not.
-    device_tables (GPU ranks): uneven split tables copied to device memory."""
+    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push (the default), or not."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -68,8 +67,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, device_tables):
     chunk, step = 16 << 10, 8 << 10
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
-    state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
-                                   device_tables=device_tables)
+    state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger)
     default, ctx.collectives = ctx.collectives, state
     try:
         assert dev().type != "cuda" or state.programs_per_peer == max(1, programs_per_sm * sms // world)
@@ -103,8 +101,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, device_tables):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("knobs", [(3, False, False), (2, True, True)],
-                         ids=["three_programs_per_sm_unstaggered", "staggered_reduce_scatter_device_tables"])
+@pytest.mark.parametrize("knobs", [(3, False), (2, True)], ids=["three_programs_per_sm_unstaggered", "staggered"])
 def test_collectives_under_other_knobs(ranks, world, knobs):
     ranks(world).run(under_other_knobs, 41, *knobs)
 

@@ -18,12 +18,10 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
                        then a ticket counter (each program's index: the order programs start, _exchange.py)
     rs_words           int64 [7 * W * W * P + 1]: the same for reduce_scatter's slots (its own epochs)
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
-                       directly (no H2D copy), reused round-robin once the call that used a slot is done;
-                       with device_tables (GPU), each call's table is copied (one async copy on the call's
-                       stream) into the same slot of device_table_rows [SLOTS, 4 * W] and read from there: every
-                       program reads its peer's entries, over PCIe when they are pinned host memory (the uneven
-                       128-row all_to_all took 89 µs of GPU time against 22 µs even on 4 H100s, 2026-11-26;
-                       tests/host_probe.py times both reads; the knob goes once it is measured)
+                       directly (no H2D copy), reused round-robin once the call that used a slot is done. (Copying
+                       each call's table to device memory first was measured and dropped, 2026-11-26: on one H100
+                       the copy added 17 GPU µs and 12-17 host µs to a 128-row uneven all_to_all, on 2 H100s it cut
+                       the kernel from 35 to 18 µs but the call from 70 to 96 µs.)
 
 Nothing is allocated per call. `free()` (called by `tilecomm.finalize`) returns the heap space.
 Any transfer size works: data streams through the ring. Calls are ordered on the current stream;
@@ -55,15 +53,6 @@ _GPU_PROGRAMS_PER_SM = 2
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
 _BLOCK_BYTES = 32 << 10
-def _driver_h2d():
-    """cuda-python's cuMemcpyHtoDAsync (dst, src, bytes, stream: plain ints), or None without cuda-python."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return None
-    return driver.cuMemcpyHtoDAsync
-
-
 # Element types moved bit for bit as an integer of the same width (all_to_all, all_gather).
 _BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
@@ -114,8 +103,6 @@ class CollectiveState:
     num_warps: int
     depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
     rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_exchange.py; on by default)
-    device_tables: bool  # uneven split tables read from device memory (module docstring; a profile knob)
-    device_table_rows: Optional[torch.Tensor]
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment), the ring's heap offset, the split
     # tables' slots (views, the event of the call that last used each, a NumPy view to fill them)
@@ -130,7 +117,6 @@ class CollectiveState:
     _table_events: List[Optional[torch.cuda.Event]] = field(default_factory=list)
     _tables_np: object = None
     _graph_tables: List[torch.Tensor] = field(default_factory=list)  # tables of captured calls, kept for replays
-    _h2d: object = None  # cuda-python's cuMemcpyHtoDAsync (device_tables; None: torch's copy_, ~20 µs more host time)
     _next_table: "itertools.count" = field(default_factory=itertools.count)
     _last_table: int = 0
     # fixed per runtime, read on every call: the heap's base address and size, the error record,
@@ -143,9 +129,8 @@ class CollectiveState:
 
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
-               block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
-               device_tables: bool = False) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, device_tables: the tuning knobs (GPU; the
+               block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger: the tuning knobs (GPU; the
         benchmarks sweep them)."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
@@ -175,17 +160,14 @@ class CollectiveState:
         rs_words = heap_tensor((7 * W * slots + 1,), torch.int64)
         rs_words.zero_()
         tables = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, pin_memory=on_gpu)
-        device_rows = torch.zeros((TABLE_SLOTS, 4 * W), dtype=torch.int64, device=ctx.device) if on_gpu else None
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
-                   rs_stagger, device_tables and on_gpu, device_rows,
-                   _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
+                   rs_stagger, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
-                   _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(),
-                   _h2d=_driver_h2d() if on_gpu else None, _heap_base=heap.local.data_ptr(),
+                   _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(), _heap_base=heap.local.data_ptr(),
                    _heap_bytes=heap.local.numel() * heap.local.element_size(), _error=ctx.device_state.error, _pairs_grid=(W * P,), _on_cpu=not on_gpu)
 
     def free(self) -> None:
@@ -204,24 +186,12 @@ class CollectiveState:
         if self.ctx.backend == "cuda" and torch.cuda.is_current_stream_capturing():
             table = torch.tensor(flat, dtype=torch.int64).pin_memory()  # lives as long as the graph may replay
             self._graph_tables.append(table)
-            if self.device_tables:  # the copy is captured too; its target lives as long as the graph
-                table = table.to(self.ctx.device, non_blocking=True)
-                self._graph_tables.append(table)
             return table
         i = self._last_table = next(self._next_table) % TABLE_SLOTS
         event = self._table_events[i]
         if event is not None and not event.query():
             event.synchronize()  # only when the GPU is TABLE_SLOTS calls behind the host
         self._tables_np[i, : len(flat)] = flat
-        if self.device_tables:  # the slot's event (after the kernel) also covers the copy and the device row
-            row = self.device_table_rows[i]
-            if self._h2d is None:
-                return row.copy_(self._table_views[i], non_blocking=True)
-            stream = torch._C._cuda_getCurrentRawStream(row.get_device())
-            err, = self._h2d(row.data_ptr(), self._table_views[i].data_ptr(), 8 * len(flat), stream)
-            if err:
-                raise RuntimeError(f"tilecomm collectives: cuMemcpyHtoDAsync of a split table failed: {err}")
-            return row
         return self._table_views[i]
 
     def _after_launch(self) -> None:
