@@ -7,7 +7,8 @@ calls back to back, one synchronize), host µs per call (the same calls without 
 of one call: torch.profiler over 6 calls back to back, the median of calls 2-6's summed kernel time (the
 first absorbs the ranks' profiler start skew; a collective kernel's time includes its waits for peers),
 with the kernel names; for normal dispatch / combine also each kernel's time and a call's span (first
-kernel start to last kernel end). Rank 0 prints; every rank runs. Not a test (no assertions: the bench checks
+kernel start to last kernel end) and the idle GPU time to the next call's first kernel; for the uneven 128-row
+all_to_all a cProfile of its host path. Runs at world 1 too (`--nproc-per-node 1`). Rank 0 prints; every rank runs. Not a test (no assertions: the bench checks
 results); its output is the profile a note cites. (On 4 H200s, 2026-11-26, the kernel column was one
 profiled call's, skew up to 87 ms; now it is the steady calls'.)
 """
@@ -88,10 +89,30 @@ def _kernel_timeline(rank, label, call, calls=6):
     means = [sum(e.device_time_total for e in steady[i::per_call]) / max(1, calls - 1) for i in range(per_call)]
     spans = [steady[i + per_call - 1].time_range.end - steady[i].time_range.start
              for i in range(0, len(steady) - per_call + 1, per_call)]
+    # idle GPU time between one call's last kernel and the next call's first (back to back: host-bound if large)
+    gaps = [steady[i].time_range.start - steady[i - 1].time_range.end for i in range(per_call, len(steady), per_call)]
     if rank == 0:
         parts = "  ".join(f"{n} {m:.1f}" for n, m in zip(names, means))
-        print(f"{label:<28} timeline: span {sorted(spans)[len(spans) // 2]:.1f} µs, kernels {sum(means):.1f}: {parts}",
-              flush=True)
+        gap = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+        print(f"{label:<28} timeline: span {sorted(spans)[len(spans) // 2]:.1f} µs, kernels {sum(means):.1f}, gap to the "
+              f"next call {gap:.1f}: {parts}", flush=True)
+
+
+def _host_cprofile(rank, label, call, calls=200):
+    """Own host time per function over `calls` calls (every rank runs them; rank 0 prints the top 12)."""
+    import cProfile
+    import pstats
+
+    dist.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        print(f"== {label}: cProfile of {calls} calls (own time)", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 def _report(rank, label, lib, call):
@@ -128,6 +149,8 @@ def main():
         calls = _uneven_calls(shape, world, rank)
         for lib, call in zip(("tilecomm", "nccl"), calls):
             _report(rank, f"all_to_all {shape[0]}x{shape[1]} uneven", lib, call)
+        if shape == UNEVEN[0]:  # host-bound at world 2 (72 µs of host time against 27 even, 2026-11-26): where
+            _host_cprofile(rank, f"all_to_all {shape[0]}x{shape[1]} uneven", calls[0])
     for label, call in _low_latency_calls():
         _report(rank, label, "tilecomm", call)
     for label, call in _normal_calls():

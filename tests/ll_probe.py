@@ -17,7 +17,8 @@ from tilecomm.dispatch import Dispatcher
 from tilecomm.dispatch import low_latency as ll
 
 CONFIGS = [dict(), dict(col_programs=2), dict(block_h=4096, col_programs=2), dict(col_programs=1),
-           dict(block_h=1024, col_programs=4)]
+           dict(block_h=1024, col_programs=4), dict(block_rows=4), dict(block_rows=4, col_programs=2),
+           dict(block_rows=8, col_programs=2, num_warps=8)]
 
 
 def per_call(fn, n=200):
