@@ -1,0 +1,81 @@
+"""Normal-mode dispatch tuning sweep (one GPU, world 1): 4096 x 7168 bf16, top-8 of 256 experts.
+
+    python tests/dispatch_probe.py [--configs "send_programs=132,send_block_h=1024;..."]
+
+For each NormalConfig variant (fields over NormalConfig.for_device's): µs per call back to back, each kernel's
+mean device time and a call's span (first kernel start to last kernel end: the send and the side stream's
+expand overlap, so the span is below the kernels' sum when the expand trails the send), checked bit for bit
+against the first config's rows, weights and combine. Not a test (no assertions beyond equality)."""
+import argparse
+
+import torch
+
+import tilecomm
+from tilecomm.bench import measure
+from tilecomm.dispatch import Dispatcher
+from tilecomm.dispatch import normal as nm
+
+DEFAULT = "send_programs=1073741824,expand_programs=1073741824;;send_block_h=1024;send_programs=132,send_block_h=1024;" \
+          "send_programs=264,send_block_h=1024;send_programs=132,send_block_h=512"
+
+
+def timeline(fn, calls=6):
+    """(kernel name -> mean device µs, a call's median span µs), calls 2.. of `calls` back to back."""
+    events = measure.gpu_events(fn, calls)
+    per = max(1, len(events) // calls)
+    steady = events[per:]
+    means = {}
+    for e in steady:
+        means[e.name[:16]] = means.get(e.name[:16], 0.0) + e.device_time_total / (calls - 1)
+    spans = sorted(steady[i + per - 1].time_range.end - steady[i].time_range.start
+                   for i in range(0, len(steady) - per + 1, per))
+    return {k: round(v, 1) for k, v in means.items()}, spans[len(spans) // 2]
+
+
+def parse(text):
+    over = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=")
+        over[k.strip()] = int(v)
+    return over
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", default=DEFAULT, help="';'-separated variants, each 'field=value,...' ('' = default)")
+    args = p.parse_args()
+    tilecomm.init(backend="cuda", heap_bytes=4 << 30)
+    T, H, E, K = 4096, 7168, 256, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), dim=1)
+    default = nm.NormalConfig.for_device
+    want = None
+    print(f"normal dispatch 4096x7168 top-8 of 256, world 1, {torch.cuda.get_device_name()}", flush=True)
+    for text in args.configs.split(";"):
+        over = parse(text)
+        cfg = nm.NormalConfig(**{**default(torch.device("cuda"), H).__dict__, **over})
+        nm.NormalConfig.for_device = staticmethod(lambda device, hidden, cfg=cfg: cfg)
+        try:
+            d = Dispatcher(E, H, T, K, torch.bfloat16)
+            with torch.no_grad():
+                res = d.dispatch(x, idx, w)
+                out = d.combine(res.x, res.handle)
+                got = (res.x.clone(), res.weights.clone(), out.clone())
+                want = got if want is None else want
+                same = all(torch.equal(a, b) for a, b in zip(got, want))
+                per_call = measure.per_call_us(lambda: d.dispatch(x, idx, w))
+                kernels, span = timeline(lambda: d.dispatch(x, idx, w))
+            print(f"{text or 'default':62s} dispatch {per_call:7.1f} µs/call  span {span:6.1f}  {kernels}  same={same}",
+                  flush=True)
+            d.free()
+        except Exception as err:  # keep sweeping
+            print(f"{text or 'default':62s} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
+        finally:
+            nm.NormalConfig.for_device = default
+    tilecomm.finalize()
+
+
+if __name__ == "__main__":
+    main()
