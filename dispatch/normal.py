@@ -69,7 +69,11 @@ class NormalConfig:
     def for_device(device: torch.device, hidden: int) -> "NormalConfig":
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            return NormalConfig(send_programs=max(1, sms // 2), expand_programs=2 * sms)
+            # tests/dispatch_probe.py (one H100, 4096 x 7168, top-8 of 256, 2026-11-26): 1024 columns a send step
+            # (256: each program is latency-bound, 104 µs of send; 1024: 67 µs); two send programs per SM (one:
+            # 95 µs, half: 296); at world 1 the span is the old design's (319 against 323 µs): the expand is launched
+            # after the host's sync and allocations, by when a world-1 send is mostly done
+            return NormalConfig(send_block_h=1024, send_programs=2 * sms, expand_programs=2 * sms)
         h = min(256, triton.next_power_of_2(hidden))  # the interpreter: few programs, small tiles
         return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
 
