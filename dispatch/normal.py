@@ -9,17 +9,14 @@ dispatch is three launches and one host read:
    writes the receive plan: first received token of each source (N tokens in all), first output row of
    each (local expert, source), tokens per expert, R = rows to receive. Worked example, W = 1, E = 2:
    topk = [[1, 0], [1, -1]] -> counts [1, 2]; rows of expert 0: (t0, k1); of expert 1: (t0, k0), (t1, k0).
-2. send (persistent: program g takes blocks g, g + G, ... in order): the slot of each pair (its index among
-   this rank's pairs for that expert: earlier blocks' counts + its rank inside the block), then for every
-   rank r: route/slot/weight of each token (-1 = no local expert) and, ONCE per token that has an expert
-   on r, its row into r's rows[me, t]. Stores go through symm_at(., r), r == me included. After each
-   block: SET blocks[me, b] = seq on every rank r (release: the block's rows and meta land first).
-3. expand (persistent over received-token chunks, in order): once blocks[s, b] of its tokens' send blocks
-   say they have landed, the row of (s, t) is read once and written to out[row_off[e, s] + slot] for each
-   of its pairs here (local expert, then source, then token, then k). Last program: SET consumed[me] =
-   seq on every s. On GPUs the forward dispatch launches it on the engine's side stream right after the
-   host sync, while send still runs: it trails the send block by block (normal_engine.py says why that is
-   safe for the memory both streams touch); redispatch keeps both on the caller's stream.
+2. send (the same blocks): the slot of each pair (its index among this rank's pairs for that expert:
+   earlier blocks' counts + its rank inside the block), then for every rank r: route/slot/weight of each
+   token (-1 = no local expert) and, ONCE per token that has an expert on r, its row into r's
+   rows[me, t]. Stores go through symm_at(., r), r == me included. Last program: SET ready[me] = seq on r.
+3. expand (programs: received tokens): after ready[s] (only the sources of the program's own tokens), the
+   row of (s, t) is read once and written to out[row_off[e, s] + slot] for each of its pairs here (local
+   expert, then source, then token, then k).
+   Last program: SET consumed[me] = seq on every s.
 
 Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
 The host reads (R, N) after route (one D2H copy while send runs: the only sync) to size the output.
@@ -28,9 +25,9 @@ Combine (two launches, no host sync):
    k order), cast to y's dtype, stored once into source s's back_rows[me, t] (+ per-pair values).
 5. combine_recv (this rank's tokens): out[t] = sum over ranks r, in order, of back_rows[r, t] (fp32).
 
-A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r; an
-expand program reads a send block only after its blocks word, and combine_recv only after ready
-(released by combine_send's last program, after all its programs' stores). Sums are mul-then-add in reference.py's order with FMA contraction off: bit-identical results.
+A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r, and
+a receiver reads only after ready (released by the sender's last program, after all its programs'
+stores). Sums are mul-then-add in reference.py's order with FMA contraction off: bit-identical results.
 """
 from __future__ import annotations
 
@@ -52,28 +49,18 @@ _BIG = tl.constexpr(2 ** 63 - 1)
 class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program:
-    received (or own) tokens per expand / combine program (a chunk); send_programs / expand_programs: the
-    persistent send's and expand's grids at most (fewer send programs: its blocks complete in more rounds,
-    so the expand trails it more closely; both grids fit the GPU together, so expand programs waiting for
-    blocks never keep a send program from running)."""
+    received (or own) tokens per expand / combine program."""
 
     pairs_per_program: int = 128
     send_block_h: int = 256
     block_h: int = 1024
     tokens_per_program: int = 1
     num_warps: int = 4
-    send_programs: int = 1 << 30
-    expand_programs: int = 1 << 30
 
     @staticmethod
     def for_device(device: torch.device, hidden: int) -> "NormalConfig":
         if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            # tests/dispatch_probe.py (one H100, 4096 x 7168, top-8 of 256, 2026-11-26): 1024 columns a send step
-            # (256: each program is latency-bound, 104 µs of send; 1024: 67 µs); two send programs per SM (one:
-            # 95 µs, half: 296); at world 1 the span is the old design's (319 against 323 µs): the expand is launched
-            # after the host's sync and allocations, by when a world-1 send is mostly done
-            return NormalConfig(send_block_h=1024, send_programs=2 * sms, expand_programs=2 * sms)
+            return NormalConfig()
         h = min(256, triton.next_power_of_2(hidden))  # the interpreter: few programs, small tiles
         return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
 
@@ -221,51 +208,34 @@ def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W: 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
 def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr, route_ptr, slot_ptr, weight_ptr,
-                 blocks_ptr, consumed_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
+                 ready_ptr, consumed_ptr, counter_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
                  K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                  ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr):
-    """Persistent: program g sends blocks g, g + G, ... in order (G programs), so blocks complete one round
-    after another and the expand can trail them; after each block, SET blocks[me, b] = seq on every rank."""
+    b = tl.program_id(0)
     me = tcl.rank()
     wait_all(consumed_ptr, seq - 1, W)  # every rank has read my previous call's rows
-    n_blocks = tl.cdiv(T, BT)
-    for first in range(0, n_blocks, tl.num_programs(0)):  # a round: blocks first .. first + G - 1
-        b = first + tl.program_id(0)
-        if b < n_blocks:
-            if WITH_META:
-                _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M, K,
-                           BT, BLOCK_P, BLOCK_B, BLOCK_W)
-            tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
-            _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
-            if HAS_X2:
-                _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
-            tcl.fence()  # this thread's stores (rows and meta, to every rank) before the block's signal
-            signal_all(blocks_ptr + me.to(tl.int64) * M + b, seq, W)
+    if WITH_META:
+        _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M, K, BT,
+                   BLOCK_P, BLOCK_B, BLOCK_W)
+    tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
+    _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
+    if HAS_X2:
+        _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
+    if last_program(counter_ptr):
+        signal_all(ready_ptr + me, seq, W)
 
 
 @triton.jit
-def _received(plan_ptr, c, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Received tokens of chunk c: flat index i, mask, source rank, token index there."""
+def _received(plan_ptr, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's received tokens: flat index i, mask, source rank, token index there."""
     tt = tl.arange(0, BLOCK_T)
-    i = c.to(tl.int64) * BT + tt
+    i = tl.program_id(0).to(tl.int64) * BT + tt
     i_ok = (tt < BT) & (i < tl.load(plan_ptr + W))
     src = tl.zeros((BLOCK_T,), tl.int64)
     for r in range(1, W):
         src += (i >= tl.load(plan_ptr + r)).to(tl.int64)
     return i, i_ok, src, i - tl.load(plan_ptr + src)
-
-
-@triton.jit
-def _wait_sent(blocks_ptr, i_ok, src, t, seq, W, M, SEND_BT):
-    """Wait until every send block holding one of these tokens (source src, token t) has landed here."""
-    for r in range(0, W):
-        mine = i_ok & (src == r)
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            lo = tl.min(tl.where(mine, t, _BIG), axis=0) // SEND_BT
-            hi = tl.max(tl.where(mine, t, -1), axis=0) // SEND_BT
-            for b in range(lo, hi + 1):
-                tcl.wait(blocks_ptr + r * M + b, seq, tcl.CMP_GE)
 
 
 @triton.jit
@@ -285,30 +255,31 @@ def _expand_rows(src_ptr, dst_ptr, rows, src_row, H, K: tl.constexpr, BLOCK_K: t
 
 @tilecomm.jit(do_not_specialize=["seq"])
 def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, weight_ptr, out_w_ptr, token_rows_ptr,
-                   plan_ptr, blocks_ptr, consumed_ptr, counter_ptr, seq, W, M, H, ROW, H2, ROW2, SEND_BT,
+                   plan_ptr, ready_ptr, consumed_ptr, counter_ptr, seq, W, M, H, ROW, H2, ROW2,
                    K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr):
-    """Persistent: program g expands received-token chunks g, g + G, ... in order, each once the send blocks
-    of its tokens have landed (blocks[s, b], set per block by the senders: it trails the send)."""
     me = tcl.rank()
-    for first in range(0, tl.cdiv(tl.load(plan_ptr + W), BT), tl.num_programs(0)):  # chunks beyond N: masked
-        i, i_ok, src, t = _received(plan_ptr, first + tl.program_id(0), W, BT, BLOCK_T)
-        _wait_sent(blocks_ptr, i_ok, src, t, seq, W, M, SEND_BT)
-        kk = tl.arange(0, BLOCK_K)
-        pm = i_ok[:, None] & (kk < K)[None, :]
-        if FROM_META:  # output row = first row of (expert, source) + the pair's slot
-            at = (src * M + t)[:, None] * K + kk[None, :]
-            el = tl.load(route_ptr + at, mask=pm, other=-1)
-            here = el >= 0
-            first = tl.load(plan_ptr + W + 1 + el * W + src[:, None], mask=here, other=0)
-            rows = tl.where(here, first + tl.load(slot_ptr + at, mask=here, other=0), -1)
-            tl.store(token_rows_ptr + i[:, None] * K + kk[None, :], rows.to(tl.int32), mask=pm)
-            tl.store(out_w_ptr + rows, tl.load(weight_ptr + at, mask=here), mask=here)
-        else:
-            rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=pm, other=-1).to(tl.int64)
-        _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, K, BLOCK_K, BLOCK_H)
-        if HAS_X2:
-            _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, K, BLOCK_K, BLOCK_H)
+    i, i_ok, src, t = _received(plan_ptr, W, BT, BLOCK_T)
+    # wait only for the sources of this program's tokens (one on GPUs): the rows of a rank whose send is done
+    # are expanded while a slower rank's send still runs
+    for r in range(0, W):
+        if tl.max((i_ok & (src == r)).to(tl.int32), axis=0) > 0:
+            tcl.wait(ready_ptr + r, seq, tcl.CMP_GE)
+    kk = tl.arange(0, BLOCK_K)
+    pm = i_ok[:, None] & (kk < K)[None, :]
+    if FROM_META:  # output row = first row of (expert, source) + the pair's slot
+        at = (src * M + t)[:, None] * K + kk[None, :]
+        el = tl.load(route_ptr + at, mask=pm, other=-1)
+        here = el >= 0
+        first = tl.load(plan_ptr + W + 1 + el * W + src[:, None], mask=here, other=0)
+        rows = tl.where(here, first + tl.load(slot_ptr + at, mask=here, other=0), -1)
+        tl.store(token_rows_ptr + i[:, None] * K + kk[None, :], rows.to(tl.int32), mask=pm)
+        tl.store(out_w_ptr + rows, tl.load(weight_ptr + at, mask=here), mask=here)
+    else:
+        rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=pm, other=-1).to(tl.int64)
+    _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, K, BLOCK_K, BLOCK_H)
+    if HAS_X2:
+        _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, K, BLOCK_K, BLOCK_H)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)
 
@@ -320,7 +291,7 @@ def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, ba
                          HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr):
     me = tcl.rank()
     wait_all(consumed_ptr, seq - 1, W)
-    i, i_ok, src, t = _received(plan_ptr, tl.program_id(0), W, BT, BLOCK_T)
+    i, i_ok, src, t = _received(plan_ptr, W, BT, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
     rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=i_ok[:, None] & (kk < K)[None, :],
                    other=-1).to(tl.int64)

@@ -37,7 +37,7 @@ class FusedPlan:
     num_recv_rows: int
 
 
-_SIG_NOTIFY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUMED = range(4)
+_SIG_NOTIFY, _SIG_FWD_READY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUMED = range(5)
 _P2 = triton.next_power_of_2
 
 
@@ -56,7 +56,7 @@ class FusedEngine:
         self.cuda = dev.type == "cuda"
         self.cfg = NormalConfig.for_device(dev, hidden)
         self.state = SymmetricState("Dispatcher(mode='normal')", normal_specs(W, num_experts, max_tokens, topk, hidden,
-                                                                              dtype), zeroed=("sig", "blocks"))
+                                                                              dtype), zeroed=("sig",))
         self.row_bytes = row_bytes(hidden, dtype)
         # route/send tokens per program (the interpreter on CPU ranks: fewer, larger programs)
         self.bt = max(1, min(16 if self.cuda else 64, self.cfg.pairs_per_program // _P2(topk)))
@@ -65,13 +65,10 @@ class FusedEngine:
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
         counters = torch.zeros(5, dtype=torch.int32, device=dev)
         self._ctr = [counters[i:i + 1] for i in range(5)]
-        self._sig = [self.state.sig[i] for i in range(4)]
+        self._sig = [self.state.sig[i] for i in range(5)]
         self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
         self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
-        # the forward expand runs here, beside the send (normal.py, step 3); _expanded joins it back
-        self._side = torch.cuda.Stream(dev) if self.cuda else None
-        self._expanded = torch.cuda.Event() if self.cuda else None
         self._dummies, self._typed_views = {}, {}
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
         # launched through the compiled kernels (no per-call Triton binding: the expand launch follows the
@@ -124,10 +121,7 @@ class FusedEngine:
         if self.cuda:
             self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()
-        # weights stays referenced until the expand is queued: the allocations below must not reuse memory
-        # the send (still running on this stream) reads, as the side stream's expand writes them unordered
-        weights = topk_weights.float().contiguous()
-        self._send(x, x2, topk, weights)
+        self._send(x, x2, topk, topk_weights.float().contiguous())
         token_rows = torch.empty((W * self.M, K), dtype=torch.int32, device=x.device)  # >= N rows; made before the sync
         if self.cuda:
             self._event.synchronize()  # the one host sync: R and N size the outputs
@@ -136,19 +130,7 @@ class FusedEngine:
         out_w = torch.empty(R, dtype=torch.float32, device=x.device)
         out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)
         p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R)
-        if self.cuda:
-            # Beside the send: everything this stream queued before the send is done (the host just waited for
-            # the route after it), so the only work the expand can overlap is the send itself, whose inputs
-            # (x, x2, topk, weights) are all still referenced, so none of the memory above is theirs. The send
-            # publishes each block as it lands (normal.py), and both grids fit the GPU together.
-            main = torch.cuda.current_stream(x.device)
-            with torch.cuda.stream(self._side):
-                self._expand(p, out, out_w, out2)
-                self._expanded.record()
-            main.wait_event(self._expanded)
-        else:
-            self._expand(p, out, out_w, out2)
-        del weights
+        self._expand(p, out, out_w, out2)
         if lo < -1 or hi >= E:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"dispatch: topk_idx values must be in [-1, {E}), got min {lo}, max {hi}")
         return out, out_w, out2, p
@@ -170,13 +152,13 @@ class FusedEngine:
             h2, align2 = x2.shape[1], 16 // x2.element_size()
             rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
         st, K = self.state, self.K
-        nb = max(1, min(triton.cdiv(x.shape[0], self.bt), self.cfg.send_programs))
+        nb = max(1, triton.cdiv(x.shape[0], self.bt))
         key = (x.dtype, None if x2 is None else x2.dtype, topk.dtype, weights is None)
         self._send_k.launch((nb,), key, self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32),
                             self._or_dummy(topk, topk.dtype),
                             self._or_dummy(weights, torch.float32), self._counts, self._typed("rows", x.dtype),
-                            self._or_dummy(rows2, torch.float32), st.route, st.slot, st.weight, st.blocks,
-                            self._sig[_SIG_FWD_CONSUMED], x.shape[0],
+                            self._or_dummy(rows2, torch.float32), st.route, st.slot, st.weight,
+                            self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED], self._ctr[1], x.shape[0],
                             self.seq[1], self.E, self.E_L, self.W, self.M, x.shape[1], row, h2, row2, K=K, BT=self.bt,
                             BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt), BLOCK_K=_P2(K), BLOCK_B=16,
                             BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h, ALIGN=16 // x.element_size(), ALIGN2=align2,
@@ -192,12 +174,11 @@ class FusedEngine:
             h2, row2 = out2.shape[1], self.row_bytes // out2.element_size()
         key = (out.dtype, None if out2 is None else out2.dtype, out_w is None)
         self._expand_k.launch(
-            (max(1, min(triton.cdiv(p.num_recv_tokens, tpp), self.cfg.expand_programs)),), key,
-            self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
+            (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), key, self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
             self._or_dummy(out2_arg, torch.float32), st.route, st.slot, st.weight, self._or_dummy(out_w, torch.float32),
-            self._or_dummy(p.token_rows, torch.int32), p.plan, st.blocks, self._sig[_SIG_FWD_CONSUMED],
+            self._or_dummy(p.token_rows, torch.int32), p.plan, self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED],
             self._ctr[2], self.seq[1], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2,
-            self.bt, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, FROM_META=out_w is not None,
+            K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, FROM_META=out_w is not None,
             HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
 
     # -- combine -------------------------------------------------------------------------------------

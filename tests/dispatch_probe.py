@@ -3,9 +3,9 @@
     python tests/dispatch_probe.py [--configs "send_programs=132,send_block_h=1024;..."]
 
 For each NormalConfig variant (fields over NormalConfig.for_device's): µs per call back to back, each kernel's
-mean device time and a call's span (first kernel start to last kernel end: the send and the side stream's
-expand overlap, so the span is below the kernels' sum when the expand trails the send), checked bit for bit
-against the first config's rows, weights and combine. Not a test (no assertions beyond equality)."""
+mean device time and a call's span (first kernel start to last kernel end), checked bit for bit against the
+first config's rows, weights and combine. (2026-11-26 it measured a persistent send that published each block
+and an expand trailing it on a side stream, BENCHMARKS.md: no faster, dropped.) Not a test (no assertions beyond equality)."""
 import argparse
 
 import torch
@@ -15,8 +15,7 @@ from tilecomm.bench import measure
 from tilecomm.dispatch import Dispatcher
 from tilecomm.dispatch import normal as nm
 
-DEFAULT = "send_programs=1073741824,expand_programs=1073741824;;send_block_h=1024;send_programs=132,send_block_h=1024;" \
-          "send_programs=264,send_block_h=1024;send_programs=132,send_block_h=512"
+DEFAULT = ";send_block_h=512;send_block_h=1024;send_block_h=1024,block_h=2048;pairs_per_program=256,send_block_h=1024"
 
 
 def timeline(fn, calls=6):
