@@ -15,6 +15,8 @@ from tilecomm.bench import measure
 from tilecomm.dispatch import Dispatcher
 from tilecomm.dispatch import normal as nm
 
+from _probe import routed_tokens, sweep_configs
+
 DEFAULT = ";send_block_h=512;send_block_h=1024;send_block_h=1024,block_h=2048;pairs_per_program=256,send_block_h=1024"
 
 
@@ -45,34 +47,26 @@ def main():
     args = p.parse_args()
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
     T, H, E, K = 4096, 7168, 256, 8
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices
-    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), dim=1)
-    default = nm.NormalConfig.for_device
-    want = None
+    x, idx, w = routed_tokens(T, H, E, K)
+    want = []
     print(f"normal dispatch 4096x7168 top-8 of 256, world 1, {torch.cuda.get_device_name()}", flush=True)
-    for text in args.configs.split(";"):
-        over = parse(text)
-        cfg = nm.NormalConfig(**{**default(torch.device("cuda"), H).__dict__, **over})
-        nm.NormalConfig.for_device = staticmethod(lambda device, hidden, cfg=cfg: cfg)
-        try:
-            d = Dispatcher(E, H, T, K, torch.bfloat16)
-            with torch.no_grad():
-                res = d.dispatch(x, idx, w)
-                out = d.combine(res.x, res.handle)
-                got = (res.x.clone(), res.weights.clone(), out.clone())
-                want = got if want is None else want
-                same = all(torch.equal(a, b) for a, b in zip(got, want))
-                per_call = measure.per_call_us(lambda: d.dispatch(x, idx, w))
-                kernels, span = timeline(lambda: d.dispatch(x, idx, w))
-            print(f"{text or 'default':62s} dispatch {per_call:7.1f} µs/call  span {span:6.1f}  {kernels}  same={same}",
-                  flush=True)
-            d.free()
-        except Exception as err:  # keep sweeping
-            print(f"{text or 'default':62s} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
-        finally:
-            nm.NormalConfig.for_device = default
+
+    def run(over):
+        d = Dispatcher(E, H, T, K, torch.bfloat16)
+        with torch.no_grad():
+            res = d.dispatch(x, idx, w)
+            out = d.combine(res.x, res.handle)
+            got = (res.x.clone(), res.weights.clone(), out.clone())
+            if not want:
+                want.append(got)
+            same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
+            per_call = measure.per_call_us(lambda: d.dispatch(x, idx, w))
+            kernels, span = timeline(lambda: d.dispatch(x, idx, w))
+        d.free()
+        name = ",".join(f"{k}={v}" for k, v in over.items()) or "default"
+        return f"{name:62s} dispatch {per_call:7.1f} µs/call  span {span:6.1f}  {kernels}  same={same}"
+
+    sweep_configs(nm.NormalConfig, [parse(text) for text in args.configs.split(";")], H, run)
     tilecomm.finalize()
 
 

@@ -16,6 +16,8 @@ import tilecomm
 from tilecomm.dispatch import Dispatcher
 from tilecomm.dispatch import low_latency as ll
 
+from _probe import routed_tokens, sweep_configs
+
 CONFIGS = [dict(), dict(col_programs=2), dict(block_h=4096, col_programs=2), dict(col_programs=1),
            dict(block_h=1024, col_programs=4), dict(block_rows=4), dict(block_rows=4, col_programs=2),
            dict(block_rows=8, col_programs=2, num_warps=8)]
@@ -54,42 +56,35 @@ def main():
     once = "--once" in sys.argv
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
     T, H, E, K = 128, 7168, 256, 8
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices
-    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), dim=1)
-    default = ll.LowLatencyConfig.for_device
-    want = None
-    for over in CONFIGS[:1] if once else CONFIGS:
-        base = default(torch.device("cuda"), H)
-        cfg = ll.LowLatencyConfig(**{**base.__dict__, **over})
-        ll.LowLatencyConfig.for_device = staticmethod(lambda device, hidden, cfg=cfg: cfg)
-        try:
-            d = Dispatcher(E, H, T, K, torch.bfloat16, mode="low_latency")
-            with torch.no_grad():
-                res = d.dispatch(x, idx, w)
-                out = d.combine(res.x, res.handle)
-                got = (res.tokens_per_expert.clone(), out.clone())  # combine's result depends on every row
-                want = got if want is None else want
-                same = all(torch.equal(a, b) for a, b in zip(got, want))
-                if once:
-                    for _ in range(3):
-                        d.combine(d.dispatch(x, idx, w).x, res.handle)
-                    torch.cuda.synchronize()
-                    print("once: done", flush=True)
-                    break
-                disp = per_call(lambda: d.dispatch(x, idx, w))
-                comb = per_call(lambda: d.combine(res.x, res.handle))
-                kd = kernels(lambda: d.dispatch(x, idx, w))
-                kc = kernels(lambda: d.combine(res.x, res.handle))
-                send_us, recv_us = roles(lambda: d.dispatch(x, idx, w, return_recv_hook=True).recv_hook(), "dispatch_kernel")
-            print(f"{str(over):55s} dispatch {disp:6.1f} µs {kd} (send {send_us} + receive {recv_us} apart)  "
-                  f"combine {comb:6.1f} µs {kc}  same={same}", flush=True)
-            d.free()
-        except Exception as err:  # keep sweeping
-            print(f"{str(over):55s} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
-        finally:
-            ll.LowLatencyConfig.for_device = default
+    x, idx, w = routed_tokens(T, H, E, K)
+    want = []
+
+    def run(over):
+        d = Dispatcher(E, H, T, K, torch.bfloat16, mode="low_latency")
+        with torch.no_grad():
+            res = d.dispatch(x, idx, w)
+            out = d.combine(res.x, res.handle)
+            got = (res.tokens_per_expert.clone(), out.clone())  # combine's result depends on every row
+            if not want:
+                want.append(got)
+            same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
+            if once:
+                for _ in range(3):
+                    d.combine(d.dispatch(x, idx, w).x, res.handle)
+                torch.cuda.synchronize()
+                print("once: done", flush=True)
+                d.free()
+                return False
+            disp = per_call(lambda: d.dispatch(x, idx, w))
+            comb = per_call(lambda: d.combine(res.x, res.handle))
+            kd = kernels(lambda: d.dispatch(x, idx, w))
+            kc = kernels(lambda: d.combine(res.x, res.handle))
+            send_us, recv_us = roles(lambda: d.dispatch(x, idx, w, return_recv_hook=True).recv_hook(), "dispatch_kernel")
+        d.free()
+        return (f"{str(over):55s} dispatch {disp:6.1f} µs {kd} (send {send_us} + receive {recv_us} apart)  "
+                f"combine {comb:6.1f} µs {kc}  same={same}")
+
+    sweep_configs(ll.LowLatencyConfig, CONFIGS[:1] if once else CONFIGS, H, run)
     tilecomm.finalize()
 
 
