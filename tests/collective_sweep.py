@@ -117,7 +117,7 @@ def main():
         dist.barrier()
         nccl[case] = _slowest(measure.per_call_us(lambda: theirs[case[0]](out, x)))
     if rank == 0:
-        print(f"world {world}: µs per call (slowest rank, 50 calls back to back); config = programs per SM / "
+        print(f"world {world}: µs per call (slowest rank; median of 5 runs of 10 calls back to back); config = programs per SM / "
               f"chunk KiB / step KiB", flush=True)
     default = ctx.collectives
     sms = torch.cuda.get_device_properties(local).multi_processor_count

@@ -138,7 +138,7 @@ def main():
     theirs = {"all_to_all": dist.all_to_all_single, "all_gather": dist.all_gather_into_tensor,
               "reduce_scatter": dist.reduce_scatter_tensor}
     if rank == 0:
-        print(f"world {world}: wall / host / kernel µs per call, kernels per call (rank 0; 50 calls back to back)")
+        print(f"world {world}: wall / host / kernel µs per call, kernels per call (rank 0; median of 5 runs of 10 calls back to back)")
     for op, shape, symmetric in CASES:
         x, out = _tensors(op, shape, symmetric, world)
         for lib, fn in (("tilecomm", ours[op]), ("nccl", theirs[op])):

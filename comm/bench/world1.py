@@ -4,7 +4,8 @@ World size 1 runs the very kernels a multi-GPU run uses (the chunk a rank sends 
 peer path), with local memory in place of NVLink, so this measures everything but the link: launch
 count, host overhead, host syncs, the parallelism of the copy loops. Each row prints, from one run:
 
-    µs/call   N calls back to back, one synchronize: wall time / N (measure.per_call_us)
+    µs/call   runs of N / 5 calls back to back, one synchronize each: wall time per call, the median
+              run's (measure.per_call_us)
     floor     torch.Tensor.copy_ of the same bytes timed the same way (dispatch and combine: a copy of
               the output rows [R, H])
     ratio     µs/call / floor
