@@ -7,6 +7,8 @@
 #   gemm   tilecomm's GEMMs (matmul, ag_gemm/gemm_rs at world 1, grouped_mm) beside cuBLAS /
 #          torch._grouped_mm, after a config sweep (one GPU; GEMM_ARGS adds flags) -> $OUT/gemm.json
 #   probe  tests/host_probe.py and tests/gemm_probe.py (diagnostics, one GPU) -> $OUT/*_probe.log
+#   dispatchprobe  tests/dispatch_probe.py and tests/ll_probe.py: the normal / low-latency Dispatcher's config
+#          sweeps at world 1 (one GPU; DISPATCH_CONFIGS: dispatch_probe's --configs) -> $OUT/{dispatch,ll}_probe.log
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE); TEST_STOP="" runs on
 #          past a failure (default -x), TEST_FILES picks files; TEST_WORKERS=N runs N test files at a time
@@ -47,6 +49,13 @@ if has probe; then  # diagnostics, not benchmarks: host time per stage, the slow
   timeout "${PROBE_TIMEOUT:-150}" python3 tests/host_probe.py 2>&1 | sed -u "s/.*named symbol not found//" | tee "$OUT/host_probe.log"
   timeout "${GEMM_PROBE_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 tests/gemm_probe.py 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/gemm_probe.log" | tail -40
+fi
+
+if has dispatchprobe; then  # each variant checked bit for bit against the first, then timed
+  timeout "${DISPATCH_PROBE_TIMEOUT:-240}" python3 tests/dispatch_probe.py ${DISPATCH_CONFIGS:+--configs "$DISPATCH_CONFIGS"} 2>&1 \
+    | grep -v "named symbol not found\|UserWarning\|_warn_once" | tee "$OUT/dispatch_probe.log"
+  timeout "${LL_PROBE_TIMEOUT:-200}" python3 tests/ll_probe.py 2>&1 | grep -v "named symbol not found\|UserWarning\|_warn_once" \
+    | tee "$OUT/ll_probe.log"
 fi
 
 if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, source, target) signal, both transports
