@@ -57,7 +57,7 @@ CASES = [
                          "CHUNK": "constexpr", "DEPTH": "constexpr", "BLOCK": "constexpr", "PUSH_BLOCK": "constexpr",
                          "VEC": "constexpr", "MAX_W": "constexpr", "TAG": "constexpr", "STAGGER": "constexpr"},
      {"OP": 0, "ACC": triton.language.float32, "AVG": False, "IN_PLACE": False, "CHUNK": 8192, "DEPTH": 2,
-      "BLOCK": 4096, "PUSH_BLOCK": 8192, "VEC": 8, "MAX_W": 4, "TAG": 50, "STAGGER": False}),
+      "BLOCK": 4096, "PUSH_BLOCK": 8192, "VEC": 8, "MAX_W": 4, "TAG": 50, "STAGGER": True}),
     (lang._put_ring_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "sig_ptr": I64P, "n": "i32", "epoch": I64}, {}),
     (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
     (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),

@@ -39,9 +39,8 @@ each reader into that reader's ring and signals it; the reader reduces from its 
 writer's tensor where that writer's input is on the heap); a writer pushes chunk i + 1 before it reduces chunk i,
 so that its pushes overlap its readers' reductions. With STAGGER (CollectiveState.rs_stagger, on by default) odd
 columns reduce chunk i first, so that half the programs push while half reduce (2 H100s, 2026-11-26: 255 µs against
-325 µs unstaggered, NCCL 314). (Until
-2026-11-26 the writers staged into their own ring and the readers pulled: 0.50x NCCL at W = 4, against 0.93x in
-place.)
+325 µs unstaggered, NCCL 314). (Until 2026-11-26 the writers staged into their own ring and the readers pulled:
+0.50x NCCL at W = 4, against 0.93x in place.)
 
 Reduce-scatter has a ring of its own because a push lands in a peer's ring while that peer may still be in
 its previous collective: two pairs calls in a row are kept apart by the per-slot reuse wait (step 0), but an
@@ -392,22 +391,16 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     # STAGGER: odd columns reduce chunk i before pushing chunk i + 1, even ones after, so that at any moment about
     # half the programs push (NVLink) while the other half reduce (local memory), instead of all of them doing each
     # in turn. Column q only waits for column q (on every rank, the same parity), so either order is deadlock-free.
+    reduce_first = (q % 2 == 1) & STAGGER
     for i in range(0, n_chunks):
-        if STAGGER:
-            if q % 2 == 1:
+        for step in range(0, 2):  # step 0: reduce if this column reduces first, else push; step 1: the other
+            if (step == 0) == reduce_first:
                 _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i,
                              n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
-        if not IN_PLACE:
-            if i + 1 < n_chunks:  # chunk 0 went with the header
-                _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64, ring_off, base,
-                           CHUNK, DEPTH, PUSH_BLOCK, VEC)
-        if STAGGER:
-            if q % 2 == 0:
-                _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i,
-                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
-        else:
-            _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i, n_chunks,
-                         chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
+            elif not IN_PLACE:
+                if i + 1 < n_chunks:  # chunk 0 went with the header
+                    _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64, ring_off,
+                               base, CHUNK, DEPTH, PUSH_BLOCK, VEC)
     # finish: every writer may reuse its ring region on me and its words; my input, where readers load it
     # in place, is free once they say they are done (a staged writer exits: its next call waits instead)
     for p in range(0, W):
