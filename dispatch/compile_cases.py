@@ -29,7 +29,7 @@ def gpu_compile_cases() -> list:
         _case(nm._send_kernel, {"x_ptr": _BF16, "x2_ptr": _F32, "topk_ptr": _P64, "w_ptr": _F32, "counts_ptr": _P32,
                                 "rows_ptr": _BF16, "rows2_ptr": _F32, "route_ptr": _P32, "slot_ptr": _P32,
                                 "weight_ptr": _F32, **sig},
-              dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_B=16, BLOCK_W=8, BLOCK_H=256, ALIGN=8,
+              dict(K=8, BT=16, BLOCK_P=128, BLOCK_T=16, BLOCK_K=8, BLOCK_B=16, BLOCK_W=8, BLOCK_H=1024, ALIGN=8,
                    ALIGN2=4, WITH_META=True, HAS_X2=True)),
         _case(nm._expand_kernel, {"rows_ptr": _BF16, "rows2_ptr": _F32, "out_ptr": _BF16, "out2_ptr": _F32,
                                   "route_ptr": _P32, "slot_ptr": _P32, "weight_ptr": _F32, "out_w_ptr": _F32,
