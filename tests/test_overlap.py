@@ -159,18 +159,22 @@ def test_tp_layers_match_single_device_mlp(ranks, world):
 
 def bad_overlap_inputs():
     world = tilecomm.world_size()
-    a, b = torch.randn(4, 8), torch.randn(8, 5)
+
+    def randn(*shape):  # on the runtime's device, so that each check below is the one that fails
+        return torch.randn(*shape, device=dev())
+
+    a, b = randn(4, 8), randn(8, 5)
     for fn in (ag_gemm, gemm_rs):
         with pytest.raises(ValueError, match="inner dimensions"):
-            fn(torch.randn(world * 2, 7), b)
+            fn(randn(world * 2, 7), b)
         with pytest.raises(TypeError, match="share a dtype"):
             fn(a, b.half())
         with pytest.raises(ValueError, match="contiguous"):
-            fn(torch.randn(8, world * 4).t(), b)
+            fn(randn(8, world * 4).t(), b)
         with pytest.raises(ValueError, match="2-D"):
-            fn(torch.randn(3), b)
+            fn(randn(3), b)
     with pytest.raises(ValueError, match="multiple of the group size"):
-        gemm_rs(torch.randn(world * 2 + 1, 8), b)
+        gemm_rs(randn(world * 2 + 1, 8), b)
     with pytest.raises(ValueError, match="divide by"):
         ColumnParallelLinear(8, world * 2 + 1)
     for cls in (ColumnParallelLinear, RowParallelLinear):
@@ -184,9 +188,9 @@ def bad_overlap_inputs():
         AgGemmWorkspace(8, torch.float32, 4, push="sideways")
     ws = AgGemmWorkspace(8, torch.float32, 4)
     with pytest.raises(ValueError, match="does not fit the workspace"):
-        ag_gemm(torch.randn(5, 8), b, workspace=ws)  # more rows than max_rows
+        ag_gemm(randn(5, 8), b, workspace=ws)  # more rows than max_rows
     with pytest.raises(ValueError, match="workspace must be"):
-        gemm_rs(torch.randn(world * 2, 8), b, workspace=ws)
+        gemm_rs(randn(world * 2, 8), b, workspace=ws)
     ws.free()
 
 

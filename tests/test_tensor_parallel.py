@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tilecomm
+from conftest import BACKEND
 from _reference import MODEL, ConcatRanks as _Concat, dev
 from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, ParallelLayout, TrainConfig, Trainer,
                           Transformer, make_dispatcher, parallelize)
@@ -118,7 +119,7 @@ def tp_train(out_dir, steps, tp, ep, dispatcher, stop_at=None, resume=False):
     def over_ep_group():  # expert parallel over this rank's EP group only
         return make_dispatcher(_moe(), "nccl", group=groups.ep)
 
-    model = _model(over_ep_group if dispatcher == "nccl" else dispatcher, tp_group=groups.tp)
+    model = _model(over_ep_group if dispatcher == "nccl" else dispatcher, tp_group=groups.tp).to(dev())
     trainer = Trainer(model, MarkovSource(vocab=32, seed=3), _train_cfg(out_dir, steps, resume), groups=groups)
     return [(r["loss"], r["grad_norm"]) for r in trainer.train(stop_at=stop_at)]
 
@@ -180,6 +181,7 @@ def _example(*flags, timeout=300):
                           text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.skipif(BACKEND == "cuda", reason="runs the example on CPU ranks only (its GPU run: run_gpu.sh train)")
 def test_pretrain_example_with_tp(tmp_path):
     out = tmp_path / "run"
     proc = _example("--world-size", "2", "--tp", "2", "--steps", "1", "--out", str(out))
