@@ -12,6 +12,7 @@ import tilecomm
 from tilecomm.moe.experts import GroupedSwiGLUExperts, grouped_mm_works
 from tilecomm.moe.layer import LocalDispatcher, MoEConfig, MoELayer, shard_expert_state
 from tilecomm.moe.router import Router, RouterConfig
+from _reference import dev
 
 
 def identity_router(**cfg) -> Router:
@@ -215,16 +216,16 @@ def ep_equivalence_body(backend, B, S):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     c = _ep_config()
     gen = torch.Generator().manual_seed(21)
-    x_all = torch.randn(world * B, S, c.hidden, generator=gen)
-    g_all = torch.randn(world * B, S, c.hidden, generator=gen)
+    x_all = torch.randn(world * B, S, c.hidden, generator=gen).to(dev())
+    g_all = torch.randn(world * B, S, c.hidden, generator=gen).to(dev())
     mine = slice(rank * B, (rank + 1) * B)
 
-    ref = MoELayer(c, dispatcher="local")
+    ref = MoELayer(c, dispatcher="local").to(dev())
     xr = x_all.clone().requires_grad_()
     y_ref, _ = ref(xr)
     (y_ref * g_all).sum().backward()
 
-    layer = MoELayer(c, dispatcher=backend)
+    layer = MoELayer(c, dispatcher=backend).to(dev())
     assert layer.ep_size == world and list(layer.local_experts) == list(range(rank * 6 // world, (rank + 1) * 6 // world))
     own = shard_expert_state(ref.state_dict(), rank, world, c.num_experts)
     for k, v in layer.state_dict().items():
