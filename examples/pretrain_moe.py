@@ -38,6 +38,7 @@ from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, Parall
                           Trainer, Transformer, dispatcher_heap_bytes, make_dispatcher, parallelize)
 from tilecomm.moe.trainer import param_dtype
 from tilecomm.moe import checkpoint
+from tilecomm.overlap import TensorParallelWorkspaces
 
 PRESETS = {
     # 2 CPU cores: ~50k parameters, 12 experts (splits over 2, 3, 4 or 6 ranks) of which 2 per token
@@ -104,10 +105,21 @@ def dispatcher_kind(args, world: int) -> str:
     return args.dispatcher if world > 1 or args.dispatcher == "fused" else "local"
 
 
+def tokens_per_forward(args) -> int:
+    """Batch x sequence tokens one forward on a rank sees, after context parallelism (the TP workspaces' size)."""
+    train = PRESETS[args.preset]["train"]
+    return train["batch_size"] * train["seq_len"] // args.cp
+
+
 def heap_bytes(args, world: int, device_type: str) -> int:
-    """Symmetric heap per rank: room for the MoE layers' one set of dispatcher buffers beside the runtime's own
-    (tilecomm.heap_bytes_for); at least TILECOMM_HEAP_BYTES (default 1 GiB on GPUs, 256 MiB on CPU ranks)."""
+    """Symmetric heap per rank: room for the MoE layers' one set of dispatcher buffers and, with --tp, the TP
+    layers' one set of workspaces (made in fp32 where the model is built, re-made when the Trainer casts it)
+    beside the runtime's own (tilecomm.heap_bytes_for); at least TILECOMM_HEAP_BYTES (default 1 GiB on GPUs,
+    256 MiB on CPU ranks)."""
     need = dispatcher_heap_bytes(moe_config(args), dispatcher_kind(args, world), world, tokens_dtype(args, device_type))
+    if args.tp > 1:
+        need += TensorParallelWorkspaces.heap_bytes(PRESETS[args.preset]["model"]["hidden"], torch.float32,
+                                                    tokens_per_forward(args), args.tp)
     default = (1 << 30) if device_type == "cuda" else 256 << 20
     return max(int(os.environ.get("TILECOMM_HEAP_BYTES", default)), tilecomm.heap_bytes_for(need))
 
@@ -135,7 +147,7 @@ def build(args, world: int, rank: int, device: torch.device, cp_group=None, tp_g
         return MoELayer(moe_cfg, dispatcher=d, device=device)
 
     model = Transformer(mcfg, moe_layer=moe_layer)
-    model = parallelize(model, tp_group=tp_group, cp_group=cp_group).to(device)
+    model = parallelize(model, tp_group=tp_group, cp_group=cp_group, max_tokens=tokens_per_forward(args)).to(device)
     return data, mcfg, moe_cfg, tcfg, model
 
 

@@ -169,6 +169,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.cp_group = self.tp_group = None  # set by parallelize
         self.tp_rank, self.tp_size = 0, 1
+        self.tp_workspaces = None  # set by parallelize: the TP layers' shared workspaces
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         mlps = [DenseMLP(cfg.hidden, cfg.ffn_hidden) if i < cfg.num_dense_layers or moe_layer is None else moe_layer(i)
                 for i in range(cfg.num_layers)]

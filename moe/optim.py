@@ -27,7 +27,8 @@ from .ops.adamw import adamw_step_
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Dict[nn.Parameter, torch.Tensor]:
     """Give every floating parameter of `model` the compute dtype, except those of modules that set
-    `keep_fp32_params = True` (the router's gate). Returns {parameter: the fp32 tensor it held}
+    `keep_fp32_params = True` (the router's gate); then modules with `follow_parameter_dtype()` (the
+    tensor-parallel linears: their workspaces) take it too. Returns {parameter: the fp32 tensor it held}
     for the parameters cast (no copy: those tensors become the optimizer's master weights)."""
     masters: Dict[nn.Parameter, torch.Tensor] = {}
     if dtype == torch.float32:
@@ -41,6 +42,9 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Dict[nn.Parameter, 
                     raise ValueError(f"cast_parameters: parameters must start in float32 to keep as masters, got {p.dtype}")
                 masters[p] = p.data
                 p.data = p.data.to(dtype)
+    for module in model.modules():  # e.g. tensor-parallel linears: their workspaces take the new dtype (collective)
+        if hasattr(module, "follow_parameter_dtype"):
+            module.follow_parameter_dtype()
     return masters
 
 

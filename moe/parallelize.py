@@ -1,12 +1,17 @@
 """Apply parallelism to a model built for one rank, and record what each parameter is.
 
-    model = parallelize(Transformer(cfg, moe_layer=...), tp_group=groups.tp, cp_group=groups.cp)
+    model = parallelize(Transformer(cfg, moe_layer=...), tp_group=groups.tp, cp_group=groups.cp,
+                        max_tokens=batch_size * seq_len // cp)
     model.param_roles["blocks.0.attn.qkv.weight"]    # "tensor_parallel"
 
 One step after construction, in a fixed order: context parallelism (attention all-gathers K/V over
 cp_group), then tensor parallelism with sequence parallelism (tensor_parallel.py swaps attention and
 dense-MLP linears for this rank's shards, cut from the full weights so TP and non-TP models built
-from the same seed agree). Expert parallelism is not applied here: it is the MoE layers' dispatcher.
+from the same seed agree). Every TP linear gathers and reduces [tokens / TP, hidden] rows, so they share
+one set of symmetric workspaces (`model.tp_workspaces`, tilecomm.overlap.TensorParallelWorkspaces) made
+here for `max_tokens` (batch x sequence tokens of one forward on this rank, after context parallelism);
+`model.to(dtype)` re-makes the set in the new dtype. Expert parallelism is not applied here: it is the MoE
+layers' dispatcher.
 
 Parameter roles decide how the Trainer reduces gradients, sums norms and names checkpoint entries;
 they come from the modules that hold the parameters, recorded here (`model.param_roles`):
@@ -24,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .experts import GroupedSwiGLUExperts
-from .tensor_parallel import apply_tensor_parallel, tp_rank_and_size
+from .tensor_parallel import TensorParallelWorkspaces, apply_tensor_parallel, tp_rank_and_size
 
 EXPERT, TENSOR_PARALLEL, REPLICATED = "expert", "tensor_parallel", "replicated"
 ROLES = (REPLICATED, TENSOR_PARALLEL, EXPERT)
@@ -61,9 +66,12 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def parallelize(model: nn.Module, *, tp_group=None, cp_group=None) -> nn.Module:
+def parallelize(model: nn.Module, *, tp_group=None, cp_group=None, max_tokens=None) -> nn.Module:
     """Apply context and tensor parallelism to `model` (a Transformer) in place; returns it. Groups of
-    one rank (or None) leave that dimension off. Call once, before the optimizer is made."""
+    one rank (or None) leave that dimension off. max_tokens (needed with a tp_group of several ranks): the
+    most tokens (batch x sequence, after context parallelism) one forward on this rank sees; the TP
+    layers' shared workspaces are made for it here (collective over the world). Call once, before the
+    optimizer is made."""
     if getattr(model, "param_roles", None) is not None:
         raise ValueError("parallelize: this model was already parallelized")
     cfg = model.cfg
@@ -75,12 +83,18 @@ def parallelize(model: nn.Module, *, tp_group=None, cp_group=None) -> nn.Module:
             if value % tp_size:
                 raise ValueError(f"parallelize: ModelConfig.{name}={value} must divide by the tensor-parallel size "
                                  f"{tp_size} (tp_group)")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0 or max_tokens % tp_size:
+            raise ValueError(f"parallelize: max_tokens must be a positive multiple of the tensor-parallel size "
+                             f"{tp_size} (the batch x sequence tokens of one forward on this rank, after context "
+                             f"parallelism: the TP layers' workspaces are made for them), got {max_tokens!r}")
     if _group_size(cp_group) > 1:
         model.cp_group = cp_group
         for block in model.blocks:
             block.attn.cp_group = cp_group
     if tp_size > 1:  # after init: the shards are cut from the weights a T = 1 model gets
-        apply_tensor_parallel(model.blocks, cfg.num_heads, cfg.hidden // cfg.num_heads, tp_group)
+        dtype = next(model.parameters()).dtype
+        model.tp_workspaces = TensorParallelWorkspaces(cfg.hidden, dtype, max_tokens, tp_group)
+        apply_tensor_parallel(model.blocks, cfg.num_heads, cfg.hidden // cfg.num_heads, tp_group, model.tp_workspaces)
         model.tp_group, model.tp_rank, model.tp_size = tp_group, tp_rank, tp_size
     model.param_roles = param_roles(model)
     return model

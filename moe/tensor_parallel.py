@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tilecomm.overlap import ColumnParallelLinear, RowParallelLinear
+from tilecomm.overlap import ColumnParallelLinear, RowParallelLinear, TensorParallelWorkspaces
 
 
 def tp_rank_and_size(tp_group) -> tuple:
@@ -58,10 +58,11 @@ def halves_rows(features: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     return grid[:, tp_rank * local:(tp_rank + 1) * local].reshape(-1)
 
 
-def _column(linear: nn.Linear, rows: torch.Tensor, group) -> ColumnParallelLinear:
+def _column(linear: nn.Linear, rows: torch.Tensor, group, workspaces) -> ColumnParallelLinear:
     """A ColumnParallelLinear holding output features `rows` of a full nn.Linear (weight [out, in])."""
     layer = ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                 dtype=linear.weight.dtype, device=linear.weight.device, group=group)
+                                 dtype=linear.weight.dtype, device=linear.weight.device, group=group,
+                                 workspaces=workspaces)
     with torch.no_grad():
         layer.weight.copy_(linear.weight[rows].t())
         if linear.bias is not None:
@@ -69,16 +70,18 @@ def _column(linear: nn.Linear, rows: torch.Tensor, group) -> ColumnParallelLinea
     return layer
 
 
-def apply_tensor_parallel(blocks: nn.ModuleList, num_heads: int, head_dim: int, tp_group) -> None:
+def apply_tensor_parallel(blocks: nn.ModuleList, num_heads: int, head_dim: int, tp_group,
+                          workspaces: TensorParallelWorkspaces) -> None:
     """Swap each block's attention qkv/proj (and dense MLP gate_up/down) nn.Linear for this rank's
-    Column/Row shards over tp_group, in place. MoE MLPs (no gate_up) are left as they are."""
+    Column/Row shards over tp_group, in place, all on one set of `workspaces` (each gathers and reduces
+    [N, hidden] rows: the set's columns). MoE MLPs (no gate_up) are left as they are."""
     rank, size = tp_rank_and_size(tp_group)
     for block in blocks:
         attn = block.attn
-        attn.qkv = _column(attn.qkv, qkv_rows(num_heads, head_dim, rank, size), tp_group)
-        attn.proj = RowParallelLinear.from_linear(attn.proj, group=tp_group)
+        attn.qkv = _column(attn.qkv, qkv_rows(num_heads, head_dim, rank, size), tp_group, workspaces)
+        attn.proj = RowParallelLinear.from_linear(attn.proj, group=tp_group, workspaces=workspaces)
         mlp = block.mlp
         if isinstance(getattr(mlp, "gate_up", None), nn.Linear):
             ffn = mlp.down.in_features
-            mlp.gate_up = _column(mlp.gate_up, halves_rows(ffn, rank, size), tp_group)
-            mlp.down = RowParallelLinear.from_linear(mlp.down, group=tp_group)
+            mlp.gate_up = _column(mlp.gate_up, halves_rows(ffn, rank, size), tp_group, workspaces)
+            mlp.down = RowParallelLinear.from_linear(mlp.down, group=tp_group, workspaces=workspaces)

@@ -12,11 +12,12 @@ All take `group=` (a torch.distributed group of W ranks; None = the world), see 
 from .ag_gemm import AgGemmWorkspace, ag_gemm, ag_gemm_reference
 from .gemm_rs import GemmRsWorkspace, gemm_rs, gemm_rs_reference
 from .grouped import grouped_mm, grouped_mm_reference
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelWorkspaces
 from .moe_config import FusedGemm, FusedMoEConfig
 from .moe_fused import FusedMoEWorkspace, fused_moe, fused_moe_reference
 from .tiles import GemmConfig, GemmTuner, matmul
 
 __all__ = ["ag_gemm", "ag_gemm_reference", "AgGemmWorkspace", "gemm_rs", "gemm_rs_reference", "GemmRsWorkspace",
-           "grouped_mm", "grouped_mm_reference", "ColumnParallelLinear", "RowParallelLinear", "GemmConfig",
+           "grouped_mm", "grouped_mm_reference", "ColumnParallelLinear", "RowParallelLinear",
+           "TensorParallelWorkspaces", "GemmConfig",
            "GemmTuner", "matmul", "FusedGemm", "FusedMoEConfig", "FusedMoEWorkspace", "fused_moe", "fused_moe_reference"]

@@ -72,16 +72,25 @@ class AgGemmWorkspace(OpWorkspace):
         if push not in PUSH_MODES:
             raise ValueError(f"AgGemmWorkspace: push={push!r}; expected one of {PUSH_MODES}")
         push = _push_mode(push, team, tilecomm.current().device)  # (before any allocation: a bad push raises)
-        W, pad = team.size, 16 // torch.empty((), dtype=dtype).element_size()
         self.K, self.dtype, self.max_rows, self.push = K, dtype, max_rows, push
-        super().__init__(team, "tilecomm.overlap.ag_gemm", {
-            "gather": ((2, W, max_rows, triton.cdiv(K, pad) * pad), dtype, False),
-            "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK_M),), torch.int64, True)})
+        super().__init__(team, "tilecomm.overlap.ag_gemm", self.specs(K, dtype, max_rows, team.size))
         # push="copy": every other member's gather buffer and flags, as local views of its heap
-        others = [i for i in range(W) if i != team.index] if push == "copy" else []
+        others = [i for i in range(team.size) if i != team.index] if push == "copy" else []
         self.peer_gather = {i: tilecomm.peer(self.gather, team.ranks[i]) for i in others}
         self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in others}
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
+
+
+    @staticmethod
+    def specs(K: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
+        pad = 16 // torch.empty((), dtype=dtype).element_size()
+        return {"gather": ((2, W, max_rows, triton.cdiv(K, pad) * pad), dtype, False),
+                "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK_M),), torch.int64, True)}
+
+    @classmethod
+    def heap_bytes(cls, K: int, dtype: torch.dtype, max_rows: int, W: int) -> int:
+        """Symmetric heap bytes of AgGemmWorkspace(K, dtype, max_rows) over a group of W ranks, on each rank."""
+        return cls.heap_bytes_of(cls.specs(K, dtype, max_rows, W))
 
 
 def _push_mode(push: str, team, device: torch.device) -> str:

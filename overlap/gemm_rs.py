@@ -46,12 +46,19 @@ class GemmRsWorkspace(OpWorkspace):
         for name, v in (("N", N), ("max_rows", max_rows)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"GemmRsWorkspace: {name} must be a positive int, got {v!r}")
-        W = team.size
         self.N, self.dtype, self.max_rows = N, dtype, max_rows
-        super().__init__(team, "tilecomm.overlap.gemm_rs", {
-            "recv": ((W, max_rows, N), dtype, False),
-            "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK),), torch.int64, True),
-            "consumed": ((W,), torch.int64, True)})
+        super().__init__(team, "tilecomm.overlap.gemm_rs", self.specs(N, dtype, max_rows, team.size))
+
+    @staticmethod
+    def specs(N: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
+        return {"recv": ((W, max_rows, N), dtype, False),
+                "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK),), torch.int64, True),
+                "consumed": ((W,), torch.int64, True)}
+
+    @classmethod
+    def heap_bytes(cls, N: int, dtype: torch.dtype, max_rows: int, W: int) -> int:
+        """Symmetric heap bytes of GemmRsWorkspace(N, dtype, max_rows) over a group of W ranks, on each rank."""
+        return cls.heap_bytes_of(cls.specs(N, dtype, max_rows, W))
 
 
 @tilecomm.jit

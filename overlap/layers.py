@@ -15,9 +15,15 @@ between them, one all-gather before and one reduce-scatter after, both fused int
 job must build and call the same layers with the same shapes (SPMD; see team.py). Sharded
 parameters carry `tensor_parallel = True` (trainers reduce and checkpoint them per TP rank).
 `from_linear` shards a single-device nn.Linear, so results can be compared with it.
-`max_tokens` (s, the longest sequence): the layer creates its symmetric workspaces in `__init__`
-(collective over the world; the GEMMs' dtype is the weight's); without it every call makes and frees
-temporary ones (correct, slower). Under autocast pass the autocast dtype as `dtype` for the workspaces to fit.
+Workspaces: `TensorParallelWorkspaces(cols, dtype, max_tokens, group)` is one AgGemmWorkspace and one
+GemmRsWorkspace of `cols` columns, made up front (collective over the world). One set serves every layer
+whose gathered input / reduced output is `cols` wide (a transformer's TP layers all gather and reduce
+[s/W, hidden] rows): the layers run one after another, and consecutive ag_gemm / gemm_rs calls on one
+workspace are safe in any order (their epochs, ag_gemm.py's docstring). Pass it as `workspaces=`; or
+`max_tokens` (s, the longest sequence) for a set of the layer's own. `.to(dtype)` on a layer (or on a
+module holding them, e.g. the Transformer that `moe.parallelize` built) re-makes the set in the new
+dtype, collectively, and so does `follow_parameter_dtype()` after a cast through `param.data`. With neither, or under autocast in another dtype than the set's, every call makes
+and frees temporary workspaces (correct; a collective allocation and a device sync per call).
 Under autocast the GEMMs run in the autocast dtype (as nn.Linear's would).
 """
 from __future__ import annotations
@@ -29,6 +35,48 @@ from torch import nn
 from .ag_gemm import AgGemmWorkspace, ag_gemm
 from .gemm_rs import GemmRsWorkspace, gemm_rs
 from .team import team_of
+
+
+class TensorParallelWorkspaces:
+    """The symmetric workspaces of sequence-parallel linears over `group` (None: the world) whose gathered
+    inputs and reduced outputs are `cols` wide, for sequences of up to `max_tokens` tokens in `dtype`:
+    `ag` (AgGemmWorkspace) and `rs` (GemmRsWorkspace), each of max_tokens / W rows. Collective over the
+    world (as every symmetric allocation): made here, re-made by `to(dtype)`, returned by `free()`."""
+
+    def __init__(self, cols: int, dtype: torch.dtype, max_tokens: int, group=None):
+        team = team_of(group, "TensorParallelWorkspaces")
+        for name, v in (("cols", cols), ("max_tokens", max_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"TensorParallelWorkspaces: {name} must be a positive int, got {v!r}")
+        if max_tokens % team.size:
+            raise ValueError(f"TensorParallelWorkspaces: max_tokens must be a positive multiple of the group size "
+                             f"({team.size}), got {max_tokens}")
+        self.cols, self.max_tokens, self.group, self.dtype = cols, max_tokens, group, dtype
+        self.ag, self.rs = self._make(dtype)
+
+    def _make(self, dtype: torch.dtype):
+        rows = self.max_tokens // team_of(self.group, "TensorParallelWorkspaces").size
+        return (AgGemmWorkspace(self.cols, dtype, rows, self.group), GemmRsWorkspace(self.cols, dtype, rows, self.group))
+
+    @staticmethod
+    def heap_bytes(cols: int, dtype: torch.dtype, max_tokens: int, world: int) -> int:
+        """Symmetric heap bytes one set takes (its buffers, each rounded up to 256 bytes)."""
+        return AgGemmWorkspace.heap_bytes(cols, dtype, max_tokens // world, world) + \
+            GemmRsWorkspace.heap_bytes(cols, dtype, max_tokens // world, world)
+
+    def to(self, dtype: torch.dtype) -> "TensorParallelWorkspaces":
+        """The set for GEMMs in `dtype` (collective: every rank of the world re-makes it at the same point)."""
+        if dtype != self.dtype:
+            self.free()
+            self.dtype, (self.ag, self.rs) = dtype, self._make(dtype)
+        return self
+
+    def free(self) -> None:
+        """Collective: return both workspaces to the heap (waits for this rank's kernels)."""
+        if self.ag is not None:
+            self.ag.free()
+            self.rs.free()
+        self.ag = self.rs = None
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -76,7 +124,7 @@ class _ParallelLinear(nn.Module):
     SPLIT_DIM = 0  # which dimension of the [in, out] weight is split over the ranks
 
     def __init__(self, in_features: int, out_features: int, bias: bool, split_dim: int, dtype, device, group,
-                 max_tokens):
+                 max_tokens, workspaces):
         super().__init__()
         name = type(self).__name__
         for arg, v in (("in_features", in_features), ("out_features", out_features)):
@@ -98,21 +146,41 @@ class _ParallelLinear(nn.Module):
         self.weight.tensor_parallel = True
         if self.bias is not None and split_dim == 1:
             self.bias.tensor_parallel = True
-        self.ws_ag = self.ws_rs = None
-        if max_tokens is not None:
-            self._make_workspaces(max_tokens, split_dim, dtype or torch.get_default_dtype())
+        # Column: forward gathers x [s/W, in], backward reduces dx [s/W, in]; Row: forward reduces y [s/W, out],
+        # backward gathers dy [s/W, out]
+        cols = in_features if split_dim == 1 else out_features
+        if workspaces is not None:
+            if not isinstance(workspaces, TensorParallelWorkspaces) or workspaces.cols != cols or \
+                    team_of(workspaces.group, name).ranks != team.ranks:
+                raise ValueError(f"{name}: workspaces must be TensorParallelWorkspaces of {cols} columns over this "
+                                 f"layer's group, got {workspaces!r}")
+            if max_tokens is not None:
+                raise ValueError(f"{name}: pass max_tokens or workspaces, not both")
+        elif max_tokens is not None:
+            if not isinstance(max_tokens, int) or max_tokens <= 0 or max_tokens % self.world:
+                raise ValueError(f"{name}: max_tokens must be a positive multiple of the group size ({self.world}), "
+                                 f"got {max_tokens!r}")
+            workspaces = TensorParallelWorkspaces(cols, dtype or torch.get_default_dtype(), max_tokens, group)
+        self.workspaces = workspaces
 
-    def _make_workspaces(self, max_tokens: int, split_dim: int, dtype) -> None:
-        """The layer's symmetric workspaces, for sequences of up to max_tokens tokens (collective over
-        the world). Column: forward gathers x [s/W, in], backward reduces dx [s/W, in]; Row: forward
-        reduces y [s/W, out], backward gathers dy [s/W, out]."""
-        if not isinstance(max_tokens, int) or max_tokens <= 0 or max_tokens % self.world:
-            raise ValueError(f"{type(self).__name__}: max_tokens must be a positive multiple of the group size "
-                             f"({self.world}), got {max_tokens!r}")
-        cols = self.in_features if split_dim == 1 else self.out_features
-        rows = max_tokens // self.world
-        self.ws_ag = AgGemmWorkspace(cols, dtype, rows, self.group)
-        self.ws_rs = GemmRsWorkspace(cols, dtype, rows, self.group)
+    @property
+    def ws_ag(self):
+        return self.workspaces.ag if self.workspaces is not None else None
+
+    @property
+    def ws_rs(self):
+        return self.workspaces.rs if self.workspaces is not None else None
+
+    def follow_parameter_dtype(self) -> None:
+        """Re-make the workspaces in the weight's dtype if it changed (collective, see the module docstring):
+        `.to(dtype)` calls it; so does tilecomm.moe's cast_parameters, which sets `param.data`."""
+        if self.workspaces is not None:
+            self.workspaces.to(self.weight.dtype)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.follow_parameter_dtype()
+        return self
 
     @staticmethod
     def fitting(ws, dtype):
@@ -120,10 +188,10 @@ class _ParallelLinear(nn.Module):
         return ws if ws is not None and ws.dtype == dtype else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, max_tokens=None):
+    def from_linear(cls, linear: nn.Linear, group=None, max_tokens=None, workspaces=None):
         """This rank's shard of a single-device nn.Linear (weight [out, in]), contiguous blocks."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                    linear.weight.device, group=group, max_tokens=max_tokens)
+                    linear.weight.device, group=group, max_tokens=max_tokens, workspaces=workspaces)
         layer.load_from_linear(linear, cls.SPLIT_DIM)
         return layer
 
@@ -146,8 +214,8 @@ class ColumnParallelLinear(_ParallelLinear):
     SPLIT_DIM = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None, group=None,
-                 max_tokens=None):
-        super().__init__(in_features, out_features, bias, 1, dtype, device, group, max_tokens)
+                 max_tokens=None, workspaces=None):
+        super().__init__(in_features, out_features, bias, 1, dtype, device, group, max_tokens, workspaces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _ColumnParallel.apply(*_autocast(x, self.weight), self)
@@ -161,8 +229,8 @@ class RowParallelLinear(_ParallelLinear):
     SPLIT_DIM = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None, device=None, group=None,
-                 max_tokens=None):
-        super().__init__(in_features, out_features, bias, 0, dtype, device, group, max_tokens)
+                 max_tokens=None, workspaces=None):
+        super().__init__(in_features, out_features, bias, 0, dtype, device, group, max_tokens, workspaces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _RowParallel.apply(*_autocast(x, self.weight), self)

@@ -28,7 +28,7 @@ import tilecomm
 import tilecomm.language as tcl
 
 from tilecomm.errors import PeerMismatchError
-from tilecomm.heap import NamedViews
+from tilecomm.heap import ALIGN, NamedViews
 from tilecomm.jit import CachedLaunch
 
 
@@ -90,6 +90,12 @@ class OpWorkspace(NamedViews):
             self._flat.append(flat)
             self.buffers[name] = flat[:math.prod(shape)].view(shape)
         tilecomm.barrier()  # zeroed words are zero everywhere before any peer signals into them
+
+    @staticmethod
+    def heap_bytes_of(specs: dict[str, tuple[tuple, torch.dtype, bool]]) -> int:
+        """Symmetric heap bytes a workspace of these specs takes on each rank (its buffers, each rounded up to
+        the heap's alignment), for sizing TILECOMM_HEAP_BYTES / tilecomm.init(heap_bytes=)."""
+        return sum(-(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN for shape, dtype, _ in specs.values())
 
     def begin(self, fingerprint: tuple) -> int:
         """The next call's epoch. At first use, every rank's fingerprint is compared with its team's."""

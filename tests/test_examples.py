@@ -114,7 +114,7 @@ def test_pretrain_sizes_the_heap_for_its_dispatchers(monkeypatch):
     monkeypatch.delenv("TILECOMM_HEAP_BYTES", raising=False)
     example = _example_module()
     for dispatcher in ("tilecomm", "fused", "nccl"):
-        args = argparse.Namespace(preset="h200x4", dispatcher=dispatcher, seed=0, precision="auto")
+        args = argparse.Namespace(preset="h200x4", dispatcher=dispatcher, seed=0, precision="auto", tp=1, cp=1)
         cfg = example.moe_config(args)
         assert example.tokens_dtype(args, "cuda") == torch.bfloat16 and example.tokens_dtype(args, "cpu") == torch.float32
         for world in (2, 4):
@@ -124,9 +124,19 @@ def test_pretrain_sizes_the_heap_for_its_dispatchers(monkeypatch):
             old = 256 << 20  # the GPU default until 2026-11-26
             assert (need > old - _env.workspace_bytes(old)) == (dispatcher != "nccl")  # it failed
             assert heap >= _env.heap_bytes(on_gpu=True) == 1 << 30 and example.heap_bytes(args, world, "cpu") >= 256 << 20
+    # --tp: also the TP layers' one set of workspaces, in fp32 (the dtype the model is built in)
+    from tilecomm.overlap import TensorParallelWorkspaces
+    for tp, cp in ((2, 1), (2, 2)):
+        args = argparse.Namespace(preset="h200x4", dispatcher="tilecomm", seed=0, precision="auto", tp=tp, cp=cp)
+        train, hidden = example.PRESETS["h200x4"]["train"], example.PRESETS["h200x4"]["model"]["hidden"]
+        tokens = train["batch_size"] * train["seq_len"] // cp
+        need = dispatcher_heap_bytes(example.moe_config(args), "tilecomm", 4, torch.bfloat16) + \
+            TensorParallelWorkspaces.heap_bytes(hidden, torch.float32, tokens, tp)
+        heap = example.heap_bytes(args, 4, "cuda")
+        assert heap - _env.workspace_bytes(heap) >= need
     monkeypatch.setenv("TILECOMM_HEAP_BYTES", str(64 << 30))  # a larger heap asked for is kept
-    assert example.heap_bytes(argparse.Namespace(preset="h200x4", dispatcher="fused", seed=0, precision="auto"), 2,
-                              "cuda") == 64 << 30
+    assert example.heap_bytes(argparse.Namespace(preset="h200x4", dispatcher="fused", seed=0, precision="auto", tp=1,
+                                                 cp=1), 2, "cuda") == 64 << 30
 
 
 @pytest.mark.parametrize("dispatcher,world", [("tilecomm", "3"), ("fused", "2")])

@@ -3,9 +3,11 @@ equals the one-rank model and one-process training; checkpoints resume; bad setu
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from tilecomm.moe import (MarkovSource, ModelConfig, MoEConfig, MoELayer, Parall
                           Transformer, make_dispatcher, parallelize)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_TOKENS = 32  # the TP layers' workspaces: the tests' batches are 2 x 16 tokens
 
 
 def _moe(router=None):
@@ -30,7 +33,8 @@ def _model(dispatcher="local", router=None, **groups):
     moe = _moe(router)
     make = dispatcher if callable(dispatcher) else (lambda: dispatcher)
     torch.manual_seed(0)
-    return parallelize(Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, dispatcher=make())), **groups)
+    return parallelize(Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, dispatcher=make())),
+                       max_tokens=MAX_TOKENS, **groups)
 
 
 def _shard_of_full(name: str, full_grad: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
@@ -162,6 +166,9 @@ def bad_tp_setups():
         parallelize(Transformer(ModelConfig(**{**MODEL, "num_heads": 1})), tp_group=tp)
     with pytest.raises(ValueError, match="ffn_hidden"):
         parallelize(Transformer(ModelConfig(**{**MODEL, "ffn_hidden": 33})), tp_group=tp)
+    for bad in (None, 0, 31, "32"):
+        with pytest.raises(ValueError, match="max_tokens must be a positive multiple of the tensor-parallel size 2"):
+            parallelize(Transformer(ModelConfig(**MODEL)), tp_group=tp, max_tokens=bad)
     model = _model(tp_group=tp)
     with pytest.raises(ValueError, match="tensor-parallel size"):
         model(torch.zeros(1, 3, dtype=torch.long))  # 3 tokens over 2 ranks
@@ -176,6 +183,52 @@ def bad_tp_setups():
         parallelize(model, tp_group=tp)
     with pytest.raises(ValueError, match="group"):
         parallelize(Transformer(ModelConfig(**MODEL)), tp_group="tp")
+
+
+def tp_workspaces_body(out_dir):
+    """The TP layers of a parallelized model share the model's one set of workspaces, which takes what
+    TensorParallelWorkspaces.heap_bytes says; a bf16 Trainer's cast re-makes it in bf16 (the fp32 one is
+    returned), and training steps then make no temporary workspace."""
+    from tilecomm.overlap import AgGemmWorkspace, ColumnParallelLinear, GemmRsWorkspace, RowParallelLinear
+    from tilecomm.overlap import TensorParallelWorkspaces
+
+    world, heap = tilecomm.world_size(), tilecomm.current().heap
+    groups = ParallelLayout(world, tp=world).create_groups()
+    before = heap.bytes_free()
+    model = _model(tp_group=groups.tp).to(dev())
+    assert before - heap.bytes_free() == TensorParallelWorkspaces.heap_bytes(MODEL["hidden"], torch.float32,
+                                                                            MAX_TOKENS, world)
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert len(layers) == 6 and all(m.workspaces is model.tp_workspaces for m in layers)
+    made, originals = [], {cls: cls.__init__ for cls in (AgGemmWorkspace, GemmRsWorkspace)}
+
+    def counting(cls):
+        def init(self, *args, **kwargs):
+            made.append(cls.__name__)
+            originals[cls](self, *args, **kwargs)
+        return init
+
+    cfg = replace(_train_cfg(out_dir, 2), precision="bf16", save=False)
+    trainer = Trainer(model, MarkovSource(vocab=32, seed=3), cfg, groups=groups)
+    ws = model.tp_workspaces
+    assert (ws.dtype, ws.ag.dtype, ws.rs.dtype) == (torch.bfloat16,) * 3
+    assert before - heap.bytes_free() == TensorParallelWorkspaces.heap_bytes(MODEL["hidden"], torch.bfloat16,
+                                                                            MAX_TOKENS, world)
+    for cls in originals:
+        cls.__init__ = counting(cls)
+    try:
+        losses = [r["loss"] for r in trainer.train()]
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init
+    assert made == [], f"temporary workspaces made in training steps: {made}"
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    model.tp_workspaces.free()
+    assert heap.bytes_free() == before
+
+
+def test_tp_layers_share_the_models_workspaces(ranks, tmp_path):
+    ranks(2).run(tp_workspaces_body, str(tmp_path / "ws"))
 
 
 def test_bad_tp_setups(ranks):
