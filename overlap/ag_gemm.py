@@ -80,7 +80,6 @@ class AgGemmWorkspace(OpWorkspace):
         self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in others}
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
 
-
     @staticmethod
     def specs(K: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
         pad = 16 // torch.empty((), dtype=dtype).element_size()

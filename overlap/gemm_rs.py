@@ -166,7 +166,7 @@ def _check(what, a, b, group, workspace):
     ctx = tilecomm.current()
     if a.device.type != ctx.device.type:
         raise ValueError(f"{what}: a is on {a.device}; the runtime's tensors are on {ctx.device}")
-    (M, K), N, W = a.shape, b.shape[1], team.size
+    M, N, W = a.shape[0], b.shape[1], team.size
     if M % W:
         raise ValueError(f"{what}: a has {M} rows; M must be a multiple of the group size ({W})")
     if N >= 1 << 23:  # in-tile offsets are int32: BLOCK_M * N < 2**31
@@ -188,7 +188,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
     Collective over the group (None: the world)."""
     what = "tilecomm.overlap.gemm_rs"
     team = _check(what, a, b, group, workspace)
-    (M, K), N, W, me = a.shape, b.shape[1], team.size, team.index
+    (M, K), N, W = a.shape, b.shape[1], team.size
     mb = M // W
     ws = workspace or GemmRsWorkspace(N, a.dtype, max(mb, 1), group)
     epoch = ws.begin(("gemm_rs", M, K, N, str(a.dtype)))

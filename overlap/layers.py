@@ -22,8 +22,9 @@ whose gathered input / reduced output is `cols` wide (a transformer's TP layers 
 workspace are safe in any order (their epochs, ag_gemm.py's docstring). Pass it as `workspaces=`; or
 `max_tokens` (s, the longest sequence) for a set of the layer's own. `.to(dtype)` on a layer (or on a
 module holding them, e.g. the Transformer that `moe.parallelize` built) re-makes the set in the new
-dtype, collectively, and so does `follow_parameter_dtype()` after a cast through `param.data`. With neither, or under autocast in another dtype than the set's, every call makes
-and frees temporary workspaces (correct; a collective allocation and a device sync per call).
+dtype, collectively, and so does `follow_parameter_dtype()` after a cast through `param.data`. With
+neither, or under autocast in another dtype than the set's, every call makes and frees temporary
+workspaces (correct; a collective allocation and a device sync per call).
 Under autocast the GEMMs run in the autocast dtype (as nn.Linear's would).
 """
 from __future__ import annotations
@@ -59,10 +60,11 @@ class TensorParallelWorkspaces:
         return (AgGemmWorkspace(self.cols, dtype, rows, self.group), GemmRsWorkspace(self.cols, dtype, rows, self.group))
 
     @staticmethod
-    def heap_bytes(cols: int, dtype: torch.dtype, max_tokens: int, world: int) -> int:
-        """Symmetric heap bytes one set takes (its buffers, each rounded up to 256 bytes)."""
-        return AgGemmWorkspace.heap_bytes(cols, dtype, max_tokens // world, world) + \
-            GemmRsWorkspace.heap_bytes(cols, dtype, max_tokens // world, world)
+    def heap_bytes(cols: int, dtype: torch.dtype, max_tokens: int, group_size: int) -> int:
+        """Symmetric heap bytes one set over a group of `group_size` ranks takes on each rank."""
+        rows = max_tokens // group_size
+        return AgGemmWorkspace.heap_bytes(cols, dtype, rows, group_size) + \
+            GemmRsWorkspace.heap_bytes(cols, dtype, rows, group_size)
 
     def to(self, dtype: torch.dtype) -> "TensorParallelWorkspaces":
         """The set for GEMMs in `dtype` (collective: every rank of the world re-makes it at the same point)."""
@@ -156,10 +158,7 @@ class _ParallelLinear(nn.Module):
                                  f"layer's group, got {workspaces!r}")
             if max_tokens is not None:
                 raise ValueError(f"{name}: pass max_tokens or workspaces, not both")
-        elif max_tokens is not None:
-            if not isinstance(max_tokens, int) or max_tokens <= 0 or max_tokens % self.world:
-                raise ValueError(f"{name}: max_tokens must be a positive multiple of the group size ({self.world}), "
-                                 f"got {max_tokens!r}")
+        elif max_tokens is not None:  # (TensorParallelWorkspaces checks it)
             workspaces = TensorParallelWorkspaces(cols, dtype or torch.get_default_dtype(), max_tokens, group)
         self.workspaces = workspaces
 

@@ -366,7 +366,6 @@ class FusedMoEWorkspace:
             BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols, **kw)
         row_gw = (gw_parts[0] if parts == 1 else gw_parts.sum(0)).float()
         self._release_stage()
-        E_L = self.num_local_experts
         grad_w_down = self._wgrad(act_w[:R], g_rows[:R], s.offs) if need_down else None  # (w act)^T @ g
         grad_w_gate_up = self._wgrad(s.x_rows, dh[:R], s.offs) if need_gate_up else None
         self._scatter_back(dh, w_gate_up, s.offs, s.row_pair, s.row_src, R, row_gw, b_trans=True)
