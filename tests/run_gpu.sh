@@ -27,6 +27,8 @@
 #          prints its state words (a hang's diagnosis) -> $OUT/sweep.log
 #   overlapprofile  tests/overlap_profile.py: GPU timeline of one fused ag_gemm / gemm_rs call (2+ GPUs)
 #          -> $OUT/overlap_profile.log
+#   tpprobe  tests/tp_ep_probe.py: the TP x EP model's forward against the one-rank model, variant by variant
+#          (dispatcher, ag_gemm push, workspaces, synchronize) (2+ GPUs) -> $OUT/tp_ep_probe.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -56,6 +58,11 @@ if has dispatchprobe; then  # each variant checked bit for bit against the first
     | grep -v "named symbol not found\|UserWarning\|_warn_once" | tee "$OUT/dispatch_probe.log"
   timeout "${LL_PROBE_TIMEOUT:-200}" python3 tests/ll_probe.py 2>&1 | grep -v "named symbol not found\|UserWarning\|_warn_once" \
     | tee "$OUT/ll_probe.log"
+fi
+
+if has tpprobe && [ "$NGPU" -ge 2 ]; then
+  timeout "${TP_PROBE_TIMEOUT:-200}" torchrun --standalone --nproc-per-node 2 tests/tp_ep_probe.py 2>&1 \
+    | sed -u "s/.*named symbol not found//" | tee "$OUT/tp_ep_probe.log" | grep -v "^W1\|Warning" | tail -12
 fi
 
 if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, source, target) signal, both transports
