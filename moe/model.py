@@ -179,10 +179,14 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.max_seq_len, cfg.hidden // cfg.num_heads, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        for name, p in self.named_parameters():  # GPT-2 style init; residual projections scaled down
-            if p.dim() >= 2 and "experts" not in name:
-                std = 0.02 / math.sqrt(2 * cfg.num_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, std=std)
+        # GPT-2 style init, residual projections scaled down; drawn from the CPU generator whatever device a
+        # parameter is on (an MoE layer with a GPU dispatcher builds its router on the GPU), so the model is the
+        # same on CPU and GPU ranks and with any dispatcher
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() >= 2 and "experts" not in name:
+                    std = 0.02 / math.sqrt(2 * cfg.num_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                    p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std))
 
     def sequence_shard(self, t: torch.Tensor, name: str = "tokens") -> torch.Tensor:
         """This rank's rows of t [B*S, ...] under tensor parallelism (t itself without it)."""

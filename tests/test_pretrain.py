@@ -137,6 +137,26 @@ def cp_attention_body(seed):
         torch.testing.assert_close(g, a.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_model_init_does_not_depend_on_where_the_moe_layer_lives():
+    """Transformer's init draws every parameter from the CPU generator: an MoE layer built on another device (a
+    GPU dispatcher builds its router on the GPU) takes the same draws there, and every parameter after it too.
+    (Drawn on the parameter's device, the GPU's generator gave a TP x EP run on 2 GPUs another router and head
+    than the one-process model, BENCHMARKS 2026-11-26.)"""
+    moe = MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, topk=2, seed=1, experts_impl="loop")
+    other = "cuda" if torch.cuda.is_available() else "meta"  # meta: no values, but the draws are made as on a GPU
+
+    def build(device):
+        torch.manual_seed(0)
+        return Transformer(ModelConfig(**MODEL), moe_layer=lambda i: MoELayer(moe, "local", device=device))
+
+    here, there = build(None), build(other)
+    assert there.blocks[1].mlp.router.weight.device.type == other
+    for (name, a), (_, b) in zip(here.named_parameters(), there.named_parameters()):
+        if b.device.type != "meta":
+            assert torch.equal(a, b.cpu()), name
+    assert torch.equal(here.head.weight, there.head.weight.cpu())  # a parameter made after the MoE layer
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_attention_matches_full_sequence(ranks, world):
     ranks(world).run(cp_attention_body, 5)
