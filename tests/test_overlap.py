@@ -8,6 +8,7 @@ from torch import nn
 
 import tilecomm
 from _reference import dev, gather_all
+from tilecomm import _env
 from tilecomm.errors import PeerMismatchError
 from tilecomm.overlap import (AgGemmWorkspace, ColumnParallelLinear, GemmRsWorkspace, RowParallelLinear, ag_gemm,
                               gemm_rs, matmul)
@@ -29,8 +30,14 @@ def ag_gemm_body(m, K, n, dtype, calls, push="auto", chunk_bytes=None):
     rank = tilecomm.rank()
     if chunk_bytes:  # push="copy" in several chunks (each its own flag) even at these small sizes
         module._COPY_CHUNK_BYTES = chunk_bytes
+    # the copy engine pushes where every peer's heap is mapped (CPU ranks, GPUs over NVLink), not through NVSHMEM
+    nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
+    if push == "copy" and nvshmem:
+        with pytest.raises(ValueError, match="push='copy' is not available on rank 0: TILECOMM_TRANSPORT=nvshmem"):
+            AgGemmWorkspace(K, dtype, m + 3, push=push)
+        return
     ws = AgGemmWorkspace(K, dtype, m + 3, push=push)  # owned, made up front, reused by every call
-    assert ws.push == ("copy" if push == "auto" else push)  # CPU ranks: every peer is mapped
+    assert ws.push == ("kernel" if push == "kernel" or nvshmem else "copy")
     for call in range(calls):  # fresh data each call: the gather buffer and flags are reused
         rows = m - call  # fewer rows than the workspace holds
         a = _rand((rows, K), 100 * call + rank, dtype)
