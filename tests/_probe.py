@@ -5,7 +5,7 @@ import torch
 def sweep_configs(config_cls, variants, hidden, body):
     """For each variant (a dict of fields over config_cls.for_device(cuda, hidden)), make config_cls.for_device
     return that config while body(variant) runs, and print what body returns; a variant that raises prints its
-    error and the sweep goes on. body returns False to stop the sweep."""
+    error and the sweep goes on. body returns False to stop the sweep, "" or None to print nothing."""
     default = config_cls.for_device
     try:
         for over in variants:
@@ -19,7 +19,8 @@ def sweep_configs(config_cls, variants, hidden, body):
                 config_cls.for_device = default
             if line is False:
                 return
-            print(line, flush=True)
+            if line:  # (ranks other than 0 of a multi-rank probe return "" or None)
+                print(line, flush=True)
     finally:
         config_cls.for_device = default
 

@@ -1,11 +1,14 @@
-"""Low-latency dispatch/combine tuning sweep (one GPU, world 1): 128 x 7168 bf16, top-8 of 256 experts.
+"""Low-latency dispatch/combine tuning sweep: 128 x 7168 bf16 per rank, top-8 of 256 experts.
 
-    python tests/ll_probe.py [--once]
+    python tests/ll_probe.py [--once]                              # one GPU, world 1
+    torchrun --nproc-per-node 4 tests/ll_probe.py [--default]      # one rank per GPU (rank 0 prints its times)
 
 For each LowLatencyConfig: µs per call back to back, each kernel's device time (torch.profiler), and the
 send and receive roles timed apart (return_recv_hook: two launches of the dispatch kernel); results
-checked against the default config's. --once: the default config only, a few calls (for ncu). Not a
-test (no assertions beyond equality)."""
+checked against the default config's. --once: the default config only, a few calls (for ncu); --default: the
+default config only, timed. At world W > 1 the send role's time is this rank's sends and count publication, the
+receive role's includes waiting for every peer's counts: the two apart say whether a call's time beyond world 1's
+is waiting or copying. Not a test (no assertions beyond equality)."""
 import sys
 import time
 
@@ -53,10 +56,13 @@ def roles(fn, name, n=20):
 
 
 def main():
-    once = "--once" in sys.argv
+    once, only_default = "--once" in sys.argv, "--default" in sys.argv
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
+    rank = tilecomm.rank()
     T, H, E, K = 128, 7168, 256, 8
-    x, idx, w = routed_tokens(T, H, E, K)
+    x, idx, w = routed_tokens(T, H, E, K, seed=rank)
+    if rank == 0:
+        print(f"world {tilecomm.world_size()}: {T} x {H} bf16 per rank, top-{K} of {E} experts; rank 0's times", flush=True)
     want = []
 
     def run(over):
@@ -81,10 +87,11 @@ def main():
             kc = kernels(lambda: d.combine(res.x, res.handle))
             send_us, recv_us = roles(lambda: d.dispatch(x, idx, w, return_recv_hook=True).recv_hook(), "dispatch_kernel")
         d.free()
-        return (f"{str(over):55s} dispatch {disp:6.1f} µs {kd} (send {send_us} + receive {recv_us} apart)  "
+        line = (f"{str(over):55s} dispatch {disp:6.1f} µs {kd} (send {send_us} + receive {recv_us} apart)  "
                 f"combine {comb:6.1f} µs {kc}  same={same}")
+        return line if rank == 0 else ""  # (False would stop this rank's sweep alone)
 
-    sweep_configs(ll.LowLatencyConfig, CONFIGS[:1] if once else CONFIGS, H, run)
+    sweep_configs(ll.LowLatencyConfig, CONFIGS[:1] if once or only_default else CONFIGS, H, run)
     tilecomm.finalize()
 
 

@@ -27,6 +27,8 @@
 #          prints its state words (a hang's diagnosis) -> $OUT/sweep.log
 #   overlapprofile  tests/overlap_profile.py: GPU timeline of one fused ag_gemm / gemm_rs call (2+ GPUs)
 #          -> $OUT/overlap_profile.log
+#   llworld  tests/ll_probe.py --default on every GPU (one rank each): low-latency dispatch / combine at world W, the send
+#          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
 #   tpprobe  tests/tp_ep_probe.py: the TP x EP model's forward against the one-rank model, variant by variant
 #          (dispatcher, ag_gemm push, workspaces, synchronize) (2+ GPUs) -> $OUT/tp_ep_probe.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
@@ -58,6 +60,11 @@ if has dispatchprobe; then  # each variant checked bit for bit against the first
     | grep -v "named symbol not found\|UserWarning\|_warn_once" | tee "$OUT/dispatch_probe.log"
   timeout "${LL_PROBE_TIMEOUT:-200}" python3 tests/ll_probe.py 2>&1 | grep -v "named symbol not found\|UserWarning\|_warn_once" \
     | tee "$OUT/ll_probe.log"
+fi
+
+if has llworld && [ "$NGPU" -ge 2 ]; then
+  timeout "${LL_WORLD_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/ll_probe.py ${LL_WORLD_ARGS---default} 2>&1 \
+    | grep -v "named symbol not found\|UserWarning\|_warn_once\|^W1" | tee "$OUT/ll_world.log"
 fi
 
 if has tpprobe && [ "$NGPU" -ge 2 ]; then
