@@ -18,7 +18,9 @@
 #   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths, torch's NVSHMEM all_to_all_vdev
 #          (torch_a2av: its own process) (needs 2+ GPUs; BENCH_RUNS: a ";"-separated subset, e.g.
 #          "ag_gemm;dispatch --mode low_latency;torch_a2av --uneven")  -> $OUT/bench_*.json
-#   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, both dispatchers -> $OUT/train_*.jsonl
+#   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, each of TRAIN_DISPATCHERS (one GPU: tilecomm; more: tilecomm
+#          nccl fused), TRAIN_STEPS steps; TRAIN_ARGS (default --no-checkpoint: the preset's final checkpoint, 33 GB at 4 GPUs,
+#          outlasted the phase's limit on 2026-11-26) -> $OUT/train_*.jsonl
 #   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
 #   commprofile  tests/comm_profile.py: wall / host / kernel time of the collectives beside NCCL's (2+ GPUs)
 #          -> $OUT/comm_profile.log
@@ -144,7 +146,8 @@ if has train; then
   for d in ${TRAIN_DISPATCHERS:-tilecomm $([ "$NGPU" -gt 1 ] && echo nccl fused)}; do  # one GPU: both are the local path
     echo "== pretrain_moe --preset h200x4 --dispatcher $d on $NGPU GPU(s), $TRAIN_STEPS steps"
     timeout "${TRAIN_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$NGPU" examples/pretrain_moe.py \
-      --preset h200x4 --dispatcher $d --steps "$TRAIN_STEPS" --out "/tmp/run_$d" > "$OUT/train_$d.log" 2>&1
+      --preset h200x4 --dispatcher $d --steps "$TRAIN_STEPS" --out "/tmp/run_$d" ${TRAIN_ARGS---no-checkpoint} \
+      > "$OUT/train_$d.log" 2>&1
     tr '\r' '\n' < "$OUT/train_$d.log" | grep -v "^\s*$" | tail -4
     cp "/tmp/run_$d/log.jsonl" "$OUT/train_$d.jsonl" 2>/dev/null && tail -2 "$OUT/train_$d.jsonl"
   done
