@@ -31,8 +31,6 @@
 #          -> $OUT/overlap_profile.log
 #   llworld  tests/ll_probe.py --default on every GPU (one rank each): low-latency dispatch / combine at world W, the send
 #          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
-#   tpprobe  tests/tp_ep_probe.py: the TP x EP model's forward against the one-rank model, variant by variant
-#          (dispatcher, ag_gemm push, workspaces, synchronize) (2+ GPUs) -> $OUT/tp_ep_probe.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -67,11 +65,6 @@ fi
 if has llworld && [ "$NGPU" -ge 2 ]; then
   timeout "${LL_WORLD_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/ll_probe.py ${LL_WORLD_ARGS---default} 2>&1 \
     | grep -v "named symbol not found\|UserWarning\|_warn_once\|^W1" | tee "$OUT/ll_world.log"
-fi
-
-if has tpprobe && [ "$NGPU" -ge 2 ]; then
-  timeout "${TP_PROBE_TIMEOUT:-200}" torchrun --standalone --nproc-per-node 2 tests/tp_ep_probe.py 2>&1 \
-    | sed -u "s/.*named symbol not found//" | tee "$OUT/tp_ep_probe.log" | grep -v "^W1\|Warning" | tail -12
 fi
 
 if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, source, target) signal, both transports

@@ -211,8 +211,8 @@ def _ep_config():
 
 
 def _tp_model_moe_config():
-    """test_tensor_parallel's MoE layer (no shared expert, 4 experts, hidden 16): its TP x EP training differed
-    on 2 GPUs (BENCHMARKS.md, 2026-11-26 from 19:20 UTC); this layer alone at its shapes narrows that down."""
+    """test_tensor_parallel's MoE layer (no shared expert, 4 experts, hidden 16): the EP layer alone at the TP x EP
+    model's shapes, so that a failure of that model's test tells the layer apart from the model around it."""
     return MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, topk=2, router={"aux_loss_coeff": 0.0}, seed=1,
                      max_tokens_per_rank=64, experts_impl="loop")
 
