@@ -5,7 +5,8 @@
 Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 0: reduce_scatter
 unstaggered (default 1, CollectiveState.rs_stagger)]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
 holds two rings of that chunk), every case is checked against NCCL's result once, then timed (µs per call, 50
-calls back to back, the slowest rank's).
+calls back to back, the slowest rank's). --heap adds each case again with input and output on the symmetric heap
+(tilecomm.empty: read in place by the peers, no staging ring).
 The defaults in comm/collectives/state.py (two per SM / 128 / 32) came from this sweep on 4 H200s
 (BENCHMARKS.md, 2026-11-26 afternoon). Rank 0 prints one row per (case, config) and NCCL's time beside it.
 
@@ -33,13 +34,17 @@ CASES = [("all_to_all", (4096, 7168)), ("all_to_all", (128, 7168)), ("all_gather
 DEFAULT_CONFIGS = "2/128/32,2/128/32/2/0,3/128/32,1/256/32,2/256/32"
 
 
-def _tensors(op, shape, world):
+def _tensors(op, shape, world, heap=False):
     rows, cols = shape
     part = (rows // world, cols)
     in_shape, out_shape = {"all_to_all": (shape, shape), "all_gather": (part, shape),
                            "reduce_scatter": (shape, part)}[op]
-    return torch.randn(in_shape, device="cuda").to(torch.bfloat16), torch.empty(out_shape, dtype=torch.bfloat16,
-                                                                                 device="cuda")
+    x = torch.randn(in_shape, device="cuda").to(torch.bfloat16)
+    if heap:
+        on_heap = tilecomm.empty(in_shape, torch.bfloat16)
+        on_heap.copy_(x)
+        return on_heap, tilecomm.empty(out_shape, torch.bfloat16)
+    return x, torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
 
 
 def _ranges(ids) -> str:
@@ -99,6 +104,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--snapshot", type=float, default=0.0, help="seconds; 0: off (module docstring)")
+    p.add_argument("--heap", action="store_true", help="each case also on symmetric-heap tensors (module docstring)")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -110,9 +116,10 @@ def main():
             "reduce_scatter": tilecomm.reduce_scatter_tensor}
     theirs = {"all_to_all": dist.all_to_all_single, "all_gather": dist.all_gather_into_tensor,
               "reduce_scatter": dist.reduce_scatter_tensor}
-    tensors = {case: _tensors(case[0], case[1], world) for case in CASES}
+    cases = CASES + ([(op, shape, "heap") for op, shape in CASES] if args.heap else [])
+    tensors = {case: _tensors(case[0], case[1], world, len(case) > 2) for case in cases}
     nccl = {}
-    for case in CASES:
+    for case in cases:
         x, out = tensors[case]
         dist.barrier()
         nccl[case] = _slowest(measure.per_call_us(lambda: theirs[case[0]](out, x)))
@@ -131,7 +138,7 @@ def main():
         torch.cuda.synchronize()
         dist.barrier()  # every rank's words are zeroed before a peer signals them
         try:
-            for case in CASES:
+            for case in cases:
                 x, out = tensors[case]
                 ref = torch.empty_like(out)
                 theirs[case[0]](ref, x)
@@ -149,7 +156,7 @@ def main():
                 dist.barrier()
                 us = _slowest(measure.per_call_us(lambda: ours[case[0]](out, x)))
                 if rank == 0:
-                    label = f"{case[0]} {case[1][0]}x{case[1][1]}"
+                    label = f"{case[0]} {case[1][0]}x{case[1][1]}{' heap' if len(case) > 2 else ''}"
                     print(f"{label:<28} {config:<10} chunk {ctx.collectives.chunk_bytes >> 10:4d}K  tilecomm {us:8.1f}  "
                           f"nccl {nccl[case]:8.1f}  ratio {nccl[case] / us:5.2f}{'  WRONG on %d ranks' % t.item() if t.item() else ''}",
                           flush=True)
