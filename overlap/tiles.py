@@ -82,6 +82,12 @@ _CPU = GemmConfig(16, 16, 16, 2, 1, 1, 1, False)  # interpreter: small tiles kee
 CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 16, 8, 3, 2, False), (128, 256, 64, 8, 8, 3, 1, False), (128, 256, 64, 16, 8, 4, 2, False),
     (128, 256, 64, 32, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 2, True), (256, 128, 64, 16, 8, 3, 2, False)]]
+# more shapes of tile for the sweep (`python -m tilecomm.bench.gemm --sweep`; not the autotuner's: each costs a
+# compile): 4 stages, smaller and deeper tiles, two programs per SM, the unflattened loop
+SWEEP_CANDIDATES = CANDIDATES + [GemmConfig(*c) for c in [
+    (128, 256, 64, 8, 8, 4, 1, False), (128, 256, 64, 4, 8, 3, 1, False), (256, 128, 64, 8, 8, 3, 1, False),
+    (128, 128, 64, 8, 8, 4, 1, False), (128, 128, 64, 8, 4, 4, 1, False, True, 2), (128, 128, 128, 8, 8, 3, 1, False),
+    (128, 256, 64, 8, 8, 3, 1, False, False)]]
 
 
 def bucket(m: int, n: int, dtype: torch.dtype) -> str:

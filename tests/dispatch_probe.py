@@ -21,16 +21,21 @@ DEFAULT = ";send_block_h=512;send_block_h=1024;send_block_h=1024,block_h=2048;pa
 
 
 def timeline(fn, calls=6):
-    """(kernel name -> mean device µs, a call's median span µs), calls 2.. of `calls` back to back."""
+    """(kernel name -> mean device µs, kernel name -> mean idle µs of the GPU just before it, a call's median
+    span µs), calls 2.. of `calls` back to back. The idle times say which step of the call the GPU waits for
+    the host at (e.g. the expand launch, queued only after the host read of the row count)."""
     events = measure.gpu_events(fn, calls)
     per = max(1, len(events) // calls)
     steady = events[per:]
-    means = {}
-    for e in steady:
+    means, idle = {}, {}
+    for prev, e in zip(events[per - 1:], steady):
         means[e.name[:16]] = means.get(e.name[:16], 0.0) + e.device_time_total / (calls - 1)
+        gap = max(0.0, e.time_range.start - prev.time_range.end)
+        idle[e.name[:16]] = idle.get(e.name[:16], 0.0) + gap / (calls - 1)
     spans = sorted(steady[i + per - 1].time_range.end - steady[i].time_range.start
                    for i in range(0, len(steady) - per + 1, per))
-    return {k: round(v, 1) for k, v in means.items()}, spans[len(spans) // 2]
+    return ({k: round(v, 1) for k, v in means.items()}, {k: round(v, 1) for k, v in idle.items()},
+            spans[len(spans) // 2])
 
 
 def parse(text):
@@ -61,10 +66,11 @@ def main():
                 want.append(got)
             same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
             per_call = measure.per_call_us(lambda: d.dispatch(x, idx, w))
-            kernels, span = timeline(lambda: d.dispatch(x, idx, w))
+            kernels, idle, span = timeline(lambda: d.dispatch(x, idx, w), calls=12)
         d.free()
         name = ",".join(f"{k}={v}" for k, v in over.items()) or "default"
-        return f"{name:62s} dispatch {per_call:7.1f} µs/call  span {span:6.1f}  {kernels}  same={same}"
+        return (f"{name:62s} dispatch {per_call:7.1f} µs/call  span {span:6.1f}  {kernels}  GPU idle before: {idle}  "
+                f"same={same}")
 
     sweep_configs(nm.NormalConfig, [parse(text) for text in args.configs.split(";")], H, run)
     tilecomm.finalize()

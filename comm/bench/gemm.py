@@ -12,7 +12,7 @@ Rows (bf16; FLOPs = 2·M·N·K, µs = triton.testing.do_bench median, L2 flushed
 ratio = baseline µs / tilecomm µs (> 1: tilecomm faster); wall µs: 20 calls back to back and one synchronize,
 per call (the host cost do_bench hides). Every result is checked against the baseline first (relative
 Frobenius error < 2e-2); a failing row is printed as FAILED and the others still run. --sweep also times
-every tiles.CANDIDATES config on the matmul shapes (the data behind tiles._TABLE); --autotune runs the ops
+every tiles.SWEEP_CANDIDATES config on the matmul shapes (the data behind tiles._TABLE); --autotune runs the ops
 with a GemmTuner instead of the table.
 """
 from __future__ import annotations
@@ -237,14 +237,14 @@ def sweep_grouped(dt, products: list, old_module: str | None = None) -> list:
 def sweep(dt, shapes=None) -> list:
     """Every candidate config on the matmul shapes (what tiles._TABLE is chosen from)."""
     from tilecomm.overlap import matmul
-    from tilecomm.overlap.tiles import CANDIDATES
+    from tilecomm.overlap.tiles import SWEEP_CANDIDATES
 
     rows = []
     for M, N, K in shapes or MATMUL:
         a, b = torch.randn(M, K, device="cuda", dtype=dt), torch.randn(K, N, device="cuda", dtype=dt)
         ref, base = a @ b, _us(lambda: a @ b)
         best = None
-        for cfg in CANDIDATES:
+        for cfg in SWEEP_CANDIDATES:
             try:
                 err = _err(matmul(a, b, config=cfg), ref)
                 us = _us(lambda: matmul(a, b, config=cfg)) if err < TOL else float("nan")
