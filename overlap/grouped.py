@@ -36,7 +36,8 @@ _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmC
 # per item; ~1536 rows, per item 1.23x faster; ~2048 rows, per item 1.43x faster. In between: not measured.
 FLAT_MAX_ROWS = 512
 # The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
-_ROWS_TABLE = {**_TABLE, "large": GemmConfig(128, 256, 64, 16, 8, 3, 2, False)}
+_ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
+_ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE}
 # What `python -m tilecomm.bench.gemm --sweep-grouped ...` times (the data behind _WGRAD and the rows' configs).
 WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 1, False), (128, 256, 64, 4, 8, 3, 1, False),

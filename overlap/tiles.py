@@ -72,8 +72,12 @@ def _kernel_kwargs(cfg: GemmConfig, launcher: CachedLaunch) -> dict:
 # cuBLAS (geomean, five bar shapes), GROUP_M 8 / no split 96.2%; H100 (8192x7168x8192, 8192x3584x4096):
 # GROUP_M 8 / no split 100.0% / 101.1%, GROUP_M 16 / split 96.5% / 102.1%: the table takes GROUP_M 8, no split.
 # "narrow" / "small" are not measured yet: at 1000^3 every candidate took 40-100 µs (cuBLAS 11 µs).
+# "mid" (fewer than 1024 tiles of 128x256, about 8 waves on 132 SMs): H200 sweep of 2026-11-26 (0c86f49),
+# 8192x3584x4096: GROUP_M 4 97.6% of cuBLAS, GROUP_M 8 93.8%, 16 94.3%; 2048x8192x7168 and 4096^3: GROUP_M 4
+# 101.9 / 103.6%, GROUP_M 8 102.5 / 104.0% (the same within the sweep's spread).
 _TABLE = {
-    "large": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),  # M >= 1024 and N >= 1024
+    "large": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),  # M >= 1024 and N >= 1024, 1024 tiles or more
+    "mid": GemmConfig(128, 256, 64, 4, 8, 3, 1, False),    # M >= 1024 and N >= 1024, fewer tiles
     "narrow": GemmConfig(128, 128, 64, 8, 8, 4, 1, False),  # one of M, N below 1024
     "small": GemmConfig(64, 64, 64, 8, 4, 4, 1, False),     # both below 1024
     "fp32": GemmConfig(64, 64, 32, 8, 4, 3, 1, False),      # IEEE fp32 FMA path: small tiles, no spills
@@ -93,7 +97,9 @@ SWEEP_CANDIDATES = CANDIDATES + [GemmConfig(*c) for c in [
 def bucket(m: int, n: int, dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "fp32"
-    return "large" if min(m, n) >= 1024 else ("narrow" if max(m, n) >= 1024 else "small")
+    if min(m, n) >= 1024:
+        return "large" if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= 1024 else "mid"
+    return "narrow" if max(m, n) >= 1024 else "small"
 
 
 class GemmTuner:
