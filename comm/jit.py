@@ -308,21 +308,31 @@ class CachedLaunch:
         key = (tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(constexprs.items()))
         self.launch(grid, key, *args, **constexprs)
 
-    def launch(self, grid, key, *args, **constexprs) -> None:
-        first = args[0]
-        if not (self.enabled and isinstance(first, torch.Tensor) and first.is_cuda):
-            self.fn[grid](*args, **constexprs)
-            return
+    def values_and_spec(self, args) -> tuple:
+        """(the launcher's values: tensors as int pointers, the launcher then skips its pointer query; the
+        bits Triton specialises on, 3 per argument, the first argument's highest)."""
         values, spec = [], 0
         for a, plain in zip(args, self.plain_ints):
             if isinstance(a, torch.Tensor):
-                a = a.data_ptr()  # an int pointer: the launcher skips its pointer query
+                a = a.data_ptr()
                 spec = spec << 3 | (a & 15 == 0)
             elif isinstance(a, int):
                 spec = spec << 3 | (-2147483648 <= a < 2147483648) | (plain and ((a == 1) << 1 | (a % 16 == 0) << 2))
             else:
                 spec <<= 3
             values.append(a)
+        return values, spec
+
+    def bind(self, key, args, varying, **constexprs) -> "BoundLaunch":
+        """A launcher for one call site whose arguments are fixed except those at positions `varying`."""
+        return BoundLaunch(self, key, args, varying, constexprs)
+
+    def launch(self, grid, key, *args, **constexprs) -> None:
+        first = args[0]
+        if not (self.enabled and isinstance(first, torch.Tensor) and first.is_cuda):
+            self.fn[grid](*args, **constexprs)
+            return
+        values, spec = self.values_and_spec(args)
         entry = self.kernels.get((key, spec))
         if entry is None:
             kernel = self.fn[grid](*args, **constexprs)
@@ -337,5 +347,63 @@ class CachedLaunch:
         run, function, prefix, consts = entry
         runtime.check_errors()
         stream = torch._C._cuda_getCurrentRawStream(first.get_device())
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *prefix, *values, *consts)
+
+
+class BoundLaunch:
+    """One call site of a CachedLaunch whose arguments are the same on every call but a few (a Dispatcher's
+    buffers and sizes are made once; the tokens, outputs and counts of a call vary): the fixed arguments'
+    launcher values and specialisation bits are worked out here, once, so a launch converts only the
+    varying ones, `launch(grid, *varying)` in the order of the positions given. The fixed tensors must
+    outlive it (their pointers are kept). `values_and_spec` gives exactly what CachedLaunch's gives for the
+    full argument list (tests/test_jit_launch.py). CPU ranks: the ordinary interpreted launch of the full
+    list."""
+
+    def __init__(self, launcher: CachedLaunch, key, args, varying, constexprs: dict):
+        self.launcher, self.key, self.constexprs = launcher, key, constexprs
+        self.varying = tuple(varying)
+        # the varying places hold None here: a call's tensors (outputs of hundreds of MB) are not kept alive
+        self.args = [None if i in self.varying else a for i, a in enumerate(args)]
+        n = len(self.args)
+        self.shifts = tuple(3 * (n - 1 - i) for i in self.varying)
+        self.plain = tuple(launcher.plain_ints[i] for i in self.varying)
+        self.values, self.fixed_spec = launcher.values_and_spec(self.args)  # None contributes no bits
+        tensors = [a for a in self.args if isinstance(a, torch.Tensor)]
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self.entries: dict = {}
+
+    def values_and_spec(self, varying) -> tuple:
+        values, spec = self.values.copy(), self.fixed_spec
+        for i, shift, plain, a in zip(self.varying, self.shifts, self.plain, varying):
+            if isinstance(a, torch.Tensor):
+                a = a.data_ptr()
+                spec |= (a & 15 == 0) << shift
+            elif isinstance(a, int):
+                spec |= ((-2147483648 <= a < 2147483648) | (plain and ((a == 1) << 1 | (a % 16 == 0) << 2))) << shift
+            values[i] = a
+        return values, spec
+
+    def full_args(self, varying) -> list:
+        args = self.args.copy()
+        for i, a in zip(self.varying, varying):
+            args[i] = a
+        return args
+
+    def launch(self, grid, *varying) -> None:
+        if not (CachedLaunch.enabled and self.device.type == "cuda"):
+            self.launcher.launch(grid, self.key, *self.full_args(varying), **self.constexprs)
+            return
+        values, spec = self.values_and_spec(varying)
+        entry = self.entries.get(spec)
+        if entry is None:  # the first launch of these bits: compiled (or found) by the CachedLaunch
+            self.launcher.launch(grid, self.key, *self.full_args(varying), **self.constexprs)
+            entry = self.launcher.kernels.get((self.key, spec))
+            if entry is not None:
+                self.entries[spec] = entry
+            return
+        run, function, prefix, consts = entry
+        runtime.check_errors()
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *prefix, *values, *consts)

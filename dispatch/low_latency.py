@@ -323,8 +323,10 @@ class LowLatencyEngine:
         self._pairs = torch.zeros(num_experts, dtype=torch.int32, device=ctx.device)  # per expert, cleared after use
         self._err_words = self._err.numpy()
         self._dummies, self._typed_views = {}, {}
-        # hot path: launch through the compiled kernels (no per-call Triton binding); keys below
+        # hot path: launch through the compiled kernels (no per-call Triton binding), each call site bound to
+        # this engine's buffers and sizes per dtype (_bound: a decode step converts only its own arguments)
         self._dispatch, self._combine = CachedLaunch(_dispatch_kernel), CachedLaunch(_combine_kernel)
+        self._bound: dict = {}
         # read on every call: the state's views (attribute lookups through NamedViews cost µs) and each
         # kernel's constexprs, made once per Dispatcher (ALIGN / ACC depend on the dtype)
         st, cfg, K, cp = self.state, self.cfg, topk, self.cfg.col_programs
@@ -373,20 +375,24 @@ class LowLatencyEngine:
         recv_w, recv_src, count, epoch = self._bufs
         T, cap, dev, cp = x.shape[0], W * M, x.device, self.cfg.col_programs
         topk, weights = self._or_dummy(topk_idx.contiguous()), self._or_dummy(topk_weights.float().contiguous())
-        recv, row = self._staging("recv", x.dtype)
         out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((E_L, cap), dtype=torch.float32, device=dev)
         per_expert = torch.empty(E_L, dtype=torch.int64, device=dev)
         maps = torch.empty(self._map_words, dtype=torch.int32, device=dev)
         handle = LowLatencyHandle(out_w, maps, per_expert, cap, W, T, received=False)
-        x_arg, consumed = self._or_dummy(x), self._sig[_SIG_CONSUMED]
+        x_arg = self._or_dummy(x)
+        bound = self._bound.get(("dispatch", x.dtype, topk.dtype))
+        if bound is None:
+            recv, row = self._staging("recv", x.dtype)
+            # varying: x, topk, weights, the four outputs, N_SEND, N_RECV, T (positions below)
+            bound = self._bound[("dispatch", x.dtype, topk.dtype)] = self._dispatch.bind(
+                (x.dtype, topk.dtype), [x_arg, topk, weights, recv, recv_w, recv_src, count, self._sig[_SIG_CONSUMED],
+                                        epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, maps,
+                                        per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row],
+                (0, 1, 2, 12, 13, 14, 15, 16, 17, 19), ALIGN=16 // x.element_size(), **self._dispatch_consts)
 
         def launch(n_send: int, n_recv: int) -> None:
-            self._dispatch.launch(
-                (n_send + n_recv,), (x.dtype, topk.dtype), x_arg, topk, weights, recv, recv_w, recv_src, count,
-                consumed, epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, maps, per_expert, n_send,
-                n_recv, cp, T, self.E, E_L, W, M, H, row, ALIGN=16 // x.element_size(),
-                **self._dispatch_consts)
+            bound.launch((n_send + n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, n_recv, T)
 
         def recv_hook() -> None:
             if handle.received:
@@ -409,12 +415,16 @@ class LowLatencyEngine:
             raise ValueError("combine: call res.recv_hook() first; the receive half of this low-latency dispatch "
                              "has not run, so its rows are not there yet")
         T, cp = h.num_tokens, self.cfg.col_programs
-        back, row = self._staging("back", y.dtype)
         out = torch.empty((T, self.H), dtype=y.dtype, device=y.device)
-        self._combine.launch(
-            (self._n_back + max(T, 1) * cp,), y.dtype, y, h.weights, h.maps, back,
-            self._or_dummy(out), self._sig[_SIG_BACK_READY], self._sig[_SIG_BACK_CONSUMED], self._bufs[3],
-            self._combine_ctr, self._n_back, max(T, 1) * cp, cp, T, self.W, self.M, self.H, row,
-            ALIGN=16 // y.element_size(), ACC=tl.float64 if y.dtype == torch.float64 else tl.float32,
-            **self._combine_consts)
+        out_arg, n_sum = self._or_dummy(out), max(T, 1) * cp
+        bound = self._bound.get(("combine", y.dtype))
+        if bound is None:
+            back, row = self._staging("back", y.dtype)
+            # varying: y, the handle's weights and maps, out, N_SUM, T (positions below)
+            bound = self._bound[("combine", y.dtype)] = self._combine.bind(
+                y.dtype, [y, h.weights, h.maps, back, out_arg, self._sig[_SIG_BACK_READY],
+                          self._sig[_SIG_BACK_CONSUMED], self._bufs[3], self._combine_ctr, self._n_back, n_sum, cp, T,
+                          self.W, self.M, self.H, row], (0, 1, 2, 4, 10, 12), ALIGN=16 // y.element_size(),
+                ACC=tl.float64 if y.dtype == torch.float64 else tl.float32, **self._combine_consts)
+        bound.launch((self._n_back + n_sum,), y, h.weights, h.maps, out_arg, n_sum, T)
         return out
