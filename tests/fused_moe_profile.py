@@ -1,8 +1,11 @@
 """Where the time of one MoE layer's forward + backward goes, fused beside unfused (a diagnostic, not a test).
 
     python3 tests/fused_moe_profile.py [--presets pretrain,deepseek_v3] [--variants pretrain] [--fused-only]
+    torchrun --nproc-per-node 4 tests/fused_moe_profile.py ...     # world 4: expert parallelism over the ranks
 
-One GPU, world 1, bf16, the layers of comm/bench/moe_layer.py. For each layer and each path (dispatcher
+bf16, the layers of comm/bench/moe_layer.py, at world 1 (one GPU) or at the torchrun world (one rank per GPU, each
+rank its own tokens; rank 0 prints its own times and kernels; a failure at world > 1 stops the run, since a
+rank alone cannot skip a collective). For each layer and each path (dispatcher
 "tilecomm": Dispatcher + torch._grouped_mm experts + combine; "fused": tilecomm.overlap.fused_moe): µs per
 call (measure.per_call_us), host syncs of one forward + backward, and torch.profiler's GPU kernels of one
 call by name (count, µs; summed over --steps profiled calls, divided by their number). For the layers named by --variants
@@ -20,10 +23,11 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 import tilecomm
 from tilecomm.bench import measure
-from tilecomm.bench.moe_layer import PRESETS, _heap_bytes, _step
+from tilecomm.bench.moe_layer import PRESETS, _init, _step
 from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
 from tilecomm.overlap import FusedMoEWorkspace
 from tilecomm.overlap.moe_config import WIDE_LAYER, FusedGemm, FusedMoEConfig
@@ -35,6 +39,8 @@ GAPS = False  # --gaps: also idle_gaps() of every path
 
 
 def say(line: str = "") -> None:
+    if tilecomm.rank():
+        return
     print(line, flush=True)
     LOG.append(line)
     if OUT_FILE:
@@ -73,7 +79,7 @@ def idle_gaps(fn, label: str, top: int = 6):
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
-    if OUT_FILE:
+    if OUT_FILE and tilecomm.rank() == 0:
         prof.export_chrome_trace(os.path.join(os.path.dirname(OUT_FILE), f"trace_{label}.json"))
     events = prof.events()
     gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -163,7 +169,7 @@ def run_preset(name, p, args, report):
     dev = tilecomm.current().device
     c = MoEConfig(hidden=p["hidden"], ffn_hidden=p["ffn"], num_experts=p["experts"], topk=p["topk"],
                   dtype=torch.bfloat16, max_tokens_per_rank=p["tokens"], seed=0, init_std=0.02)
-    gen = torch.Generator(device=dev).manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(tilecomm.rank())
     x = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(c.dtype).requires_grad_()
     grad_out = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(c.dtype)
     d = make_dispatcher(c, "tilecomm")
@@ -186,7 +192,9 @@ def run_preset(name, p, args, report):
             layer.dispatcher = ws
             rows[f"fused:{vname}"] = profile_path(name, f"fused:{vname}", layer, x, grad_out, args.steps, args.iters,
                                                   reference)
-        except Exception as err:  # keep the other variants
+        except Exception as err:  # keep the other variants (world 1: a rank alone cannot skip a collective)
+            if tilecomm.world_size() > 1:
+                raise
             say(f"{name} fused:{vname} failed: {type(err).__name__}: {str(err)[:300]}")
         finally:
             if ws is not None:
@@ -209,27 +217,32 @@ def main():
     OUT_FILE = os.path.join(args.out, "profile.txt")
     GAPS = args.gaps
     presets = {k: PRESETS[k] for k in args.presets.split(",")}
-    tilecomm.init(backend="cuda", heap_bytes=_heap_bytes(presets, torch.bfloat16, 1))
-    say(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    _init("cuda", presets, torch.bfloat16)
+    say(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, world {tilecomm.world_size()}")
     report = {}
     t0 = time.time()
     for name, p in presets.items():
         try:
             run_preset(name, p, args, report)
         except Exception as err:
+            if tilecomm.world_size() > 1:
+                raise
             say(f"{name} failed: {type(err).__name__}: {str(err)[:300]}")
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "profile.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nsummary ({time.time() - t0:.0f} s)")
+    if tilecomm.rank() == 0:
+        with open(os.path.join(args.out, "profile.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    say(f"\nsummary ({time.time() - t0:.0f} s)")
     for name, rows in report.items():
         for kind, r in rows.items():
             top = sorted(r["kernels"].items(), key=lambda kv: -kv[1][1])[:6]
             vs = f" {rows['tilecomm']['us'] / r['us']:5.2f}x" if "tilecomm" in rows and kind != "tilecomm" else "      "
             err = f" diff {r['max_rel_diff']:.1e}" if r.get("max_rel_diff") is not None else ""
-            print(f"{name:12s} {kind:22s} {r['us']:9.1f} µs wall{vs}{err} {r['gpu_us']:9.1f} GPU {r['syncs']:3d} syncs | " +
+            say(f"{name:12s} {kind:22s} {r['us']:9.1f} µs wall{vs}{err} {r['gpu_us']:9.1f} GPU {r['syncs']:3d} syncs | " +
                   "; ".join(f"{k[:28]} {v[1]:.0f}" for k, v in top))
     tilecomm.finalize()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
-#          variant names; MOE_GAPS=1: where the GPU waits, host calls and traces)  -> $OUT/profile.{txt,json}
+#          variant names; MOE_GAPS=1: where the GPU waits, host calls and traces; MOE_PROFILE_GPUS=N: at world N, expert
+#          parallelism over N GPUs, rank 0's kernels)  -> $OUT/profile.{txt,json}
 set -uo pipefail
 PHASES="${*:-gemm tests bench train}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
@@ -97,7 +98,7 @@ if has moe; then
 fi
 
 if has moeprofile; then
-  timeout "${MOE_PROFILE_TIMEOUT:-420}" python3 tests/fused_moe_profile.py --presets "${MOE_PRESETS:-pretrain,deepseek_v3}" --variants "${MOE_VARIANTS:-pretrain,deepseek_v3}" --only "${MOE_ONLY:-}" ${MOE_GAPS:+--gaps} \
+  timeout "${MOE_PROFILE_TIMEOUT:-420}" torchrun --standalone --nproc-per-node "${MOE_PROFILE_GPUS:-1}" tests/fused_moe_profile.py --presets "${MOE_PRESETS:-pretrain,deepseek_v3}" --variants "${MOE_VARIANTS:-pretrain,deepseek_v3}" --only "${MOE_ONLY:-}" ${MOE_GAPS:+--gaps} \
     --steps 2 --iters 8 --out "$OUT" 2>&1 | sed -u "s/.*named symbol not found//" | grep -v "µs .*x  " | grep -v "^\s*$"
 fi
 
