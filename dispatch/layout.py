@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 import tilecomm
+from tilecomm.jit import next_pow2
 
 
 @dataclass
@@ -83,8 +83,8 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, world: int) -> Layo
     per_rank = torch.empty(world, dtype=torch.int64, device=dev)
     per_expert = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     _layout_kernel[(1,)](topk_idx, in_rank, send_slot, per_rank, per_expert, T, K, num_experts // world, world,
-                         BLOCK_T=64, BLOCK_K=triton.next_power_of_2(max(K, 1)),
-                         BLOCK_W=triton.next_power_of_2(world))
+                         BLOCK_T=64, BLOCK_K=next_pow2(max(K, 1)),
+                         BLOCK_W=next_pow2(world))
     return Layout(in_rank.bool(), send_slot, per_rank, per_expert)
 
 

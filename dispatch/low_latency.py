@@ -45,7 +45,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from tilecomm.jit import CachedLaunch
+from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
 from tilecomm.language.abi import (ERR_BAD_EXPERT, ERR_CAPACITY, ERROR_WORDS, ErrorCode, record_error,
                                    take_ticket)
@@ -74,8 +74,8 @@ class LowLatencyConfig:
         # GPU: from tests/ll_probe.py (one H100, 128 x 7168, top-8 of 256): 2048 columns per step and at most
         # 4 column programs per row were best for the two-kernel design; 8 warps or more programs were slower
         if device.type == "cuda":
-            return LowLatencyConfig(col_programs=max(1, min(4, triton.cdiv(hidden, 2048))))
-        return LowLatencyConfig(block_h=min(256, triton.next_power_of_2(hidden)), col_programs=1, block_rows=8,
+            return LowLatencyConfig(col_programs=max(1, min(4, cdiv(hidden, 2048))))
+        return LowLatencyConfig(block_h=min(256, next_pow2(hidden)), col_programs=1, block_rows=8,
                                 num_warps=1)
 
 
@@ -297,7 +297,7 @@ def raise_device_error(words) -> None:
         raise RuntimeError(f"rank {rank}: unknown dispatch device error {code} ({a}, {b}, {c})")
 
 
-_P2 = triton.next_power_of_2
+_P2 = next_pow2
 
 
 class LowLatencyEngine:

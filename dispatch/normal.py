@@ -39,6 +39,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm.jit import next_pow2
 
 from ._device import last_program, peer_offset, signal_all, wait_all
 
@@ -61,7 +62,7 @@ class NormalConfig:
     def for_device(device: torch.device, hidden: int) -> "NormalConfig":
         if device.type == "cuda":
             return NormalConfig()
-        h = min(256, triton.next_power_of_2(hidden))  # the interpreter: few programs, small tiles
+        h = min(256, next_pow2(hidden))  # the interpreter: few programs, small tiles
         return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
 
 

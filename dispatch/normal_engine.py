@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 import triton.language as tl
 
 import tilecomm
-from tilecomm.jit import CachedLaunch
+from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
 from .buffers import SymmetricState, normal_specs, row_bytes
 from .normal import (NormalConfig, _BIG, _combine_recv_kernel, _combine_send_kernel, _expand_kernel, _route_kernel,
@@ -38,7 +37,7 @@ class FusedPlan:
 
 
 _SIG_NOTIFY, _SIG_FWD_READY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUMED = range(5)
-_P2 = triton.next_power_of_2
+_P2 = next_pow2
 
 
 class FusedEngine:
@@ -60,7 +59,7 @@ class FusedEngine:
         self.row_bytes = row_bytes(hidden, dtype)
         # route/send tokens per program (the interpreter on CPU ranks: fewer, larger programs)
         self.bt = max(1, min(16 if self.cuda else 64, self.cfg.pairs_per_program // _P2(topk)))
-        self._counts = torch.zeros((triton.cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
+        self._counts = torch.zeros((cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
         self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
         counters = torch.zeros(5, dtype=torch.int32, device=dev)
@@ -112,7 +111,7 @@ class FusedEngine:
         topk = topk_idx.contiguous()
         self.seq[0] += 1
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=x.device)
-        nb = max(1, triton.cdiv(T, self.bt))  # ROW_ENDS off: the experts get tokens_per_expert (plan's tail)
+        nb = max(1, cdiv(T, self.bt))  # ROW_ENDS off: the experts get tokens_per_expert (plan's tail)
         self._route.launch((nb,), topk.dtype, self._or_dummy(topk, topk.dtype), self._counts,
                            self._totals, self._minmax, self._ctr[0],
                              self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, plan, T, self.seq[0], E,
@@ -152,7 +151,7 @@ class FusedEngine:
             h2, align2 = x2.shape[1], 16 // x2.element_size()
             rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
         st, K = self.state, self.K
-        nb = max(1, triton.cdiv(x.shape[0], self.bt))
+        nb = max(1, cdiv(x.shape[0], self.bt))
         key = (x.dtype, None if x2 is None else x2.dtype, topk.dtype, weights is None)
         self._send_k.launch((nb,), key, self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32),
                             self._or_dummy(topk, topk.dtype),
@@ -174,7 +173,7 @@ class FusedEngine:
             h2, row2 = out2.shape[1], self.row_bytes // out2.element_size()
         key = (out.dtype, None if out2 is None else out2.dtype, out_w is None)
         self._expand_k.launch(
-            (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), key, self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
+            (max(1, cdiv(p.num_recv_tokens, tpp)),), key, self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
             self._or_dummy(out2_arg, torch.float32), st.route, st.slot, st.weight, self._or_dummy(out_w, torch.float32),
             self._or_dummy(p.token_rows, torch.int32), p.plan, self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED],
             self._ctr[2], self.seq[1], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2,
@@ -196,7 +195,7 @@ class FusedEngine:
         f32 = torch.float32
         flags = (dtype, y is None, coef is None, values is None)
         self._cs.launch(
-            (max(1, triton.cdiv(p.num_recv_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32), self._or_dummy(values, f32),
+            (max(1, cdiv(p.num_recv_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32), self._or_dummy(values, f32),
             self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w, self._sig[_SIG_BWD_READY],
             self._sig[_SIG_BWD_CONSUMED], self._ctr[3], self.seq[2], self.W, self.M, self.H, row, K=K, BT=tpp,
             BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, ALIGN=16 // back.element_size(),
@@ -205,7 +204,7 @@ class FusedEngine:
         out = None if y is None else torch.empty((T, self.H), dtype=dtype, device=dev)
         vals = None if values is None else torch.empty((T, K), dtype=f32, device=dev)
         self._cr.launch(
-            (max(1, triton.cdiv(T, tpp)),), flags + (p.topk_idx.dtype,), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
+            (max(1, cdiv(T, tpp)),), flags + (p.topk_idx.dtype,), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
             self._or_dummy(vals, f32), self._sig[_SIG_BWD_READY], self._sig[_SIG_BWD_CONSUMED], self._ctr[4], T,
             self.seq[2], self.E, self.E_L, self.W, self.M, self.H, row, K=K, BT=tpp, BLOCK_T=_P2(tpp),
             BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,

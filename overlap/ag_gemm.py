@@ -38,12 +38,11 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import triton
 import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from tilecomm.jit import CachedLaunch
+from tilecomm.jit import CachedLaunch, cdiv
 
 from tilecomm import _env, stream_ops
 
@@ -83,8 +82,8 @@ class AgGemmWorkspace(OpWorkspace):
     @staticmethod
     def specs(K: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
         pad = 16 // torch.empty((), dtype=dtype).element_size()
-        return {"gather": ((2, W, max_rows, triton.cdiv(K, pad) * pad), dtype, False),
-                "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK_M),), torch.int64, True)}
+        return {"gather": ((2, W, max_rows, cdiv(K, pad) * pad), dtype, False),
+                "flags": ((W * cdiv(max_rows, MIN_BLOCK_M),), torch.int64, True)}
 
     @classmethod
     def heap_bytes(cls, K: int, dtype: torch.dtype, max_rows: int, W: int) -> int:
@@ -211,8 +210,8 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = Fals
 
 def _copy_chunk_rows(m: int, K: int, elem: int, block_m: int) -> int:
     """push="copy": rows per copy, a multiple of the GEMM's row tile (one flag per chunk)."""
-    rows = max(triton.cdiv(m, _COPY_CHUNKS), triton.cdiv(_COPY_CHUNK_BYTES, max(K * elem, 1)))
-    return triton.cdiv(rows, block_m) * block_m
+    rows = max(cdiv(m, _COPY_CHUNKS), cdiv(_COPY_CHUNK_BYTES, max(K * elem, 1)))
+    return cdiv(rows, block_m) * block_m
 
 
 def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, chunk_rows: int) -> None:
@@ -220,8 +219,8 @@ def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, 
     behind its rows; members in the order they read it. The one at step 1 gets it chunk by chunk, the others
     in one copy followed by all the chunks' flags (module docstring)."""
     (m, K), W, me = a_shard.shape, team.size, team.index
-    flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK_M)
-    chunks = triton.cdiv(m, chunk_rows)
+    flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
+    chunks = cdiv(m, chunk_rows)
     for step in range(1, W):
         dest = (me - step) % W  # reads this shard at its step `step`
         slot, flags = ws.peer_gather[dest][epoch % 2, me], ws.peer_flags[dest]
@@ -238,7 +237,7 @@ def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, 
 def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
     g = ws.gather[epoch % 2]
-    flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK_M)
+    flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
     a, _ = tma_operand(a_shard)
     bt, b_trans = tma_operand(b, allow_trans=True)
     C_TMA = c.stride(0) * c.element_size() % 16 == 0
@@ -246,7 +245,7 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     chunk_rows = _copy_chunk_rows(m, K, a.element_size(), cfg.BLOCK_M) if ws.push == "copy" else cfg.BLOCK_M
 
     def gemm():
-        launch_gemm(_GEMM, W * triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
+        launch_gemm(_GEMM, W * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
                     epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
                     chunk_rows // cfg.BLOCK_M, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA,
                     PRECISION=dot_precision(a.dtype))
@@ -266,7 +265,7 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
             if ws.push == "copy":
                 _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
             else:
-                _PUSH.launch((W - 1, min(triton.cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g,
+                _PUSH.launch((W - 1, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g,
                              ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
                              BLOCK_M=cfg.BLOCK_M)
     if not gemm_first:

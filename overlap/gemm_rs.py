@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import triton
 import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from tilecomm.jit import CachedLaunch
+from tilecomm.jit import CachedLaunch, cdiv
 
 from .team import OpWorkspace, release, team_of
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
@@ -52,7 +51,7 @@ class GemmRsWorkspace(OpWorkspace):
     @staticmethod
     def specs(N: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
         return {"recv": ((W, max_rows, N), dtype, False),
-                "flags": ((W * triton.cdiv(max_rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK),), torch.int64, True),
+                "flags": ((W * cdiv(max_rows, MIN_BLOCK) * cdiv(N, MIN_BLOCK),), torch.int64, True),
                 "consumed": ((W,), torch.int64, True)}
 
     @classmethod
@@ -209,8 +208,8 @@ def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
     a_t, _ = tma_operand(a)
     bt, b_trans = tma_operand(b, allow_trans=True)
     cfg = resolve_config(config, mb, N, a.dtype, a.device, lambda cfg: matmul(a_t[:mb], b, cfg))
-    per_owner = triton.cdiv(mb, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    flag_stride = triton.cdiv(ws.max_rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK)
+    per_owner = cdiv(mb, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
+    flag_stride = cdiv(ws.max_rows, MIN_BLOCK) * cdiv(N, MIN_BLOCK)
     # GPUs: one launch over every tile; CPU ranks: peer tiles, then own tiles (see the module docstring)
     ranges = [(0, W * per_owner)] if a.is_cuda else [(0, (W - 1) * per_owner), ((W - 1) * per_owner, W * per_owner)]
     recv = ws.recv

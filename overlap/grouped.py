@@ -20,11 +20,10 @@ Two persistent TMA kernels (tiles.py) cover the three products:
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 import tilecomm
-from tilecomm.jit import CachedLaunch
+from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
 from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, desc3, dot_precision, launch_gemm, resolve_config,
                     store_tile, tile_position, tile_product, tma_operand)
@@ -259,10 +258,10 @@ def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
 
 def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
     (R, K), E, N = x.shape, w.shape[0], y.shape[1]
-    tiles = (triton.cdiv(R, cfg.BLOCK_M) + E + 1) * triton.cdiv(N, cfg.BLOCK_N)
+    tiles = (cdiv(R, cfg.BLOCK_M) + E + 1) * cdiv(N, cfg.BLOCK_N)
     launch_gemm(_ROWS, tiles, cfg, x, w, y, offs, R, K, N, E, x.stride(0), w.stride(0), w.stride(1),
                 y.stride(0), B_TRANS=trans, C_TMA=y.stride(0) * y.element_size() % 16 == 0,
-                PRECISION=dot_precision(x.dtype), E_PAD=triton.next_power_of_2(E + 1))
+                PRECISION=dot_precision(x.dtype), E_PAD=next_pow2(E + 1))
 
 
 def _wgrad(x, dy, offs, E: int, config, flat: bool | None = None) -> torch.Tensor:
@@ -278,8 +277,8 @@ def _wgrad(x, dy, offs, E: int, config, flat: bool | None = None) -> torch.Tenso
         flat = R <= FLAT_MAX_ROWS * E
     form = "flat" if flat else "per_item"
     cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
-    tiles = E * triton.cdiv(K, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
-    extra = {"E_PAD": triton.next_power_of_2(E + 1)} if flat else {}
+    tiles = E * cdiv(K, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
+    extra = {"E_PAD": next_pow2(E + 1)} if flat else {}
     aligned = dw.stride(1) * dw.element_size() % 16 == 0
     launch_gemm(_WGRAD_FLAT if flat else _WGRAD_LAUNCH, tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0),
                 dy_t.stride(0), dw.stride(0), dw.stride(1), C_TMA=aligned and not cfg.POINTER_STORES,

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
-import triton
 import triton.language as tl
 
 import tilecomm
@@ -52,7 +51,7 @@ from tilecomm.dispatch.buffers import Spec, SymmetricState
 from tilecomm.dispatch.dispatcher import Dispatcher
 from tilecomm.dispatch.normal import _BIG, _route_kernel
 from tilecomm.errors import PeerMismatchError
-from tilecomm.jit import CachedLaunch
+from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
 from .grouped import _wgrad
 from .moe_comm import _reduce_kernel, _send_kernel
@@ -61,7 +60,7 @@ from .moe_config import FusedGemm, FusedMoEConfig
 from .team import _RELEASE, team_of
 from .tiles import dot_precision, num_programs, prepare_tma, tma_operand
 
-_P2 = triton.next_power_of_2
+_P2 = next_pow2
 
 
 def fused_moe_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:
@@ -132,13 +131,13 @@ class FusedMoEWorkspace:
         self.team = team_of(None, "FusedMoEWorkspace")
         # route / send: tokens per program as the Dispatcher's (its per-block expert counts give the slots)
         self.bt = max(1, min(16 if dev.type == "cuda" else 64, (128 if dev.type == "cuda" else 256) // _P2(topk)))
-        self._counts = torch.zeros((triton.cdiv(max_tokens_per_rank, self.bt), num_experts), dtype=torch.int32,
+        self._counts = torch.zeros((cdiv(max_tokens_per_rank, self.bt), num_experts), dtype=torch.int32,
                                    device=dev)
         self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
         self._launches = torch.zeros(2, dtype=torch.int32, device=dev)  # last-program counters: route, reduce
         # scatter: items done per row tile (at most W * M * K rows received), reset by the kernel after each launch
-        self._row_tiles_done = torch.zeros(triton.cdiv(W * max_tokens_per_rank * topk, self.cfg.scatter.tiles.BLOCK_M)
+        self._row_tiles_done = torch.zeros(cdiv(W * max_tokens_per_rank * topk, self.cfg.scatter.tiles.BLOCK_M)
                                            + self.num_local_experts + 1, dtype=torch.int32, device=dev)
         self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
         self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
@@ -185,7 +184,7 @@ class FusedMoEWorkspace:
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=self.device)
         offs = torch.empty(E_L, dtype=torch.int32, device=self.device)
         self._route_k.launch_keyed(
-            (max(1, triton.cdiv(topk.shape[0], self.bt)),),
+            (max(1, cdiv(topk.shape[0], self.bt)),),
             self._ptr(topk, topk.dtype), self._counts, self._totals, self._minmax, self._launches[0:1],
             self.state.notify[parity], self.state.notify_sig[parity], plan, self._info, offs, topk.shape[0],
             self.seq[0], E, E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
@@ -208,7 +207,7 @@ class FusedMoEWorkspace:
         self.seq[1] += 1
         st, T, cfg = self.state, x.shape[0], self.cfg
         self._send_k.launch_keyed(
-            (max(1, triton.cdiv(T, self.bt)),),
+            (max(1, cdiv(T, self.bt)),),
             self._ptr(x, x.dtype), self._ptr(topk, topk.dtype), self._ptr(weights, torch.float32), self._counts,
             self._ptr(slots, torch.int32), st.stage, st.pair_w, st.words, st.consumed[0], T, self.seq[1],
             self.num_experts, self.num_local_experts, self.world_size, self.max_tokens, self.hidden,
@@ -224,7 +223,7 @@ class FusedMoEWorkspace:
     def _rows_buffer(self, rows: int, cols: int) -> torch.Tensor:
         """[rows, cols] of the data type with a 16-byte aligned row stride (a TMA operand)."""
         pad = max(1, 16 // self.dtype.itemsize)
-        return torch.empty((rows, triton.cdiv(cols, pad) * pad), dtype=self.dtype, device=self.device)[:, :cols]
+        return torch.empty((rows, cdiv(cols, pad) * pad), dtype=self.dtype, device=self.device)[:, :cols]
 
     def _wgrad(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """[E_l, A, B]: a[rows of e]^T @ b[rows of e] per local expert."""
@@ -239,7 +238,7 @@ class FusedMoEWorkspace:
         """(grid, launch keywords) of a fused GEMM kernel over R rows: col_items items per BLOCK_M rows of an
         expert (at most R / BLOCK_M + E_l row tiles)."""
         g = launch.tiles
-        tiles = (triton.cdiv(R, g.BLOCK_M) + self.num_local_experts) * col_items
+        tiles = (cdiv(R, g.BLOCK_M) + self.num_local_experts) * col_items
         programs = min(tiles, launch.programs_per_sm * num_programs(tiles, self.device))
         return (programs,), dict(
             BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
@@ -264,7 +263,7 @@ class FusedMoEWorkspace:
     @staticmethod
     def _item_cols(launch: FusedGemm, N: int) -> int:
         """Output columns per work item of a GEMM with N of them (launch.item_cols; 0: all, rounded up to BLOCK_N)."""
-        return launch.item_cols or triton.cdiv(N, launch.tiles.BLOCK_N) * launch.tiles.BLOCK_N
+        return launch.item_cols or cdiv(N, launch.tiles.BLOCK_N) * launch.tiles.BLOCK_N
 
     def _scatter_back(self, a, w, offs, row_pair, row_src, R, vals, b_trans: bool) -> None:
         """Rows a[R, KA] @ w[e] (w[e]^T with b_trans) into their sources' back rows (+ per-row vals)."""
@@ -274,7 +273,7 @@ class FusedMoEWorkspace:
         w_t, _ = tma_operand(w)
         launch, N = self.cfg.scatter, self.hidden
         item_n = self._item_cols(launch, N)
-        grid, kw = self._gemm_args(launch, R, triton.cdiv(N, item_n))
+        grid, kw = self._gemm_args(launch, R, cdiv(N, item_n))
         self._scatter_k.launch_keyed(
             grid,
             a_t, w_t, offs, self._ptr(row_pair, torch.int32), self._ptr(row_src, torch.int32),
@@ -290,7 +289,7 @@ class FusedMoEWorkspace:
         out = torch.empty((T, self.hidden), dtype=self.dtype, device=self.device)
         values = torch.empty((T, K), dtype=torch.float32, device=self.device) if with_values else None
         self._reduce_k.launch_keyed(
-            (max(1, triton.cdiv(T, self.bt)),),
+            (max(1, cdiv(T, self.bt)),),
             st.back, st.back_w, st.flags, self._ptr(topk, topk.dtype), self._ptr(coef, torch.float32),
             self._ptr(out, self.dtype), self._ptr(values, torch.float32), st.consumed[1], self._launches[1:2], T,
             self.seq[2], self.num_experts, self.world_size, self.hidden, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K),
@@ -322,7 +321,7 @@ class FusedMoEWorkspace:
         row_w = torch.empty(rows, dtype=torch.float32, device=dev)
         if not gather:
             self._gather(launch, R, plan, offs, x_rows, (row_pair, row_src, row_w))
-        grid, kw = self._gemm_args(launch, R, triton.cdiv(F, item_n))
+        grid, kw = self._gemm_args(launch, R, cdiv(F, item_n))
         self._gate_up_k.launch_keyed(
             grid,
             st.stage, st.words, st.pair_w, w_gu, plan, offs, h, act, x_rows, row_pair, row_src, row_w, self.seq[1], R,
@@ -353,7 +352,7 @@ class FusedMoEWorkspace:
         w_dn, _ = tma_operand(w_down)
         launch = self.cfg.down_grad
         item_n = self._item_cols(launch, F)
-        parts = triton.cdiv(F, item_n)  # each row's <g, y> in parts, summed below (fp64 data: in fp64)
+        parts = cdiv(F, item_n)  # each row's <g, y> in parts, summed below (fp64 data: in fp64)
         if parts > 1:
             self._gather(launch, R, s.plan, s.offs, g_rows, None)
         gw_parts = torch.empty((parts, rows), dtype=torch.promote_types(self.dtype, torch.float32), device=dev)
@@ -399,7 +398,7 @@ def _gate_up_operand(w_gate_up: torch.Tensor, F: int):
         w, _ = tma_operand(w_gate_up)
         return w, F
     E_L, H = w_gate_up.shape[0], w_gate_up.shape[1]
-    Fp = triton.cdiv(F, pad) * pad
+    Fp = cdiv(F, pad) * pad
     w = w_gate_up.new_zeros((E_L, H, 2, Fp))
     w[..., :F] = w_gate_up.reshape(E_L, H, 2, F)
     return w.view(E_L, H, 2 * Fp), Fp

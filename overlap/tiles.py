@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 import tilecomm
-from tilecomm.jit import CachedLaunch, TileKernel
+from tilecomm.jit import CachedLaunch, TileKernel, cdiv
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def bucket(m: int, n: int, dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "fp32"
     if min(m, n) >= 1024:
-        return "large" if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= 1024 else "mid"
+        return "large" if cdiv(m, 128) * cdiv(n, 256) >= 1024 else "mid"
     return "narrow" if max(m, n) >= 1024 else "small"
 
 
@@ -179,7 +179,7 @@ def tma_operand(t: torch.Tensor, allow_trans: bool = False) -> tuple[torch.Tenso
         return t.mT, True
     pad = 16 // t.element_size()
     cols = t.shape[-1]
-    buf = torch.empty(*t.shape[:-1], triton.cdiv(max(cols, 1), pad) * pad, dtype=t.dtype, device=t.device)
+    buf = torch.empty(*t.shape[:-1], cdiv(max(cols, 1), pad) * pad, dtype=t.dtype, device=t.device)
     out = buf[..., :cols]
     out.copy_(t)
     return out, False
@@ -345,7 +345,7 @@ _MATMUL = CachedLaunch(_matmul_kernel)
 def _launch_matmul(a, b, b_trans, c, cfg: GemmConfig) -> None:
     M, K = a.shape
     N = c.shape[1]
-    launch_gemm(_MATMUL, triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N), cfg, a, b, c, M, N, K,
+    launch_gemm(_MATMUL, cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, a, b, c, M, N, K,
                 a.stride(0), b.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=_aligned(c),
                 PRECISION=dot_precision(a.dtype))
 

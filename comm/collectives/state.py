@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import triton
 import triton.language as tl
 
 from ..errors import require
-from ..jit import CachedLaunch
+from ..jit import CachedLaunch, next_pow2
 from . import _exchange as kx
 
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
@@ -141,7 +140,7 @@ class CollectiveState:
         else:
             P, chunk = 1, chunk_bytes or _CPU_CHUNK_BYTES
         chunk = ring_chunk_bytes(workspace_bytes, W * P, chunk, block_bytes if on_gpu else chunk, depth)
-        smallest = triton.next_power_of_2(4096 * W)
+        smallest = next_pow2(4096 * W)
         require(chunk >= 4096 * W, f"TILECOMM_WORKSPACE_BYTES={workspace_bytes} is too small for {W} ranks: the "
                 f"collectives need at least {2 * W * P * depth * smallest} bytes (two rings of {W * P} programs × "
                 f"{depth} ring slots × {smallest} bytes: reduce_scatter's slots are 1/{W} of one)", MemoryError)
@@ -164,7 +163,7 @@ class CollectiveState:
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
                    rs_stagger, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
-                   _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=triton.next_power_of_2(W),
+                   _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
                    _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(), _heap_base=heap.local.data_ptr(),
