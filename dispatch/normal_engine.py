@@ -10,7 +10,7 @@ import torch
 import triton.language as tl
 
 import tilecomm
-from tilecomm.jit import CachedLaunch, cdiv, next_pow2
+from tilecomm.jit import BoundLaunch, CachedLaunch, cdiv, next_pow2
 
 from .buffers import SymmetricState, normal_specs, row_bytes
 from .normal import (NormalConfig, _BIG, _combine_recv_kernel, _combine_send_kernel, _expand_kernel, _route_kernel,
@@ -69,6 +69,7 @@ class FusedEngine:
         self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
         self._dummies, self._typed_views = {}, {}
+        self._bound: dict = {}  # (launch, key) -> BoundLaunch: the dispatch launches bound to these buffers
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
         # launched through the compiled kernels (no per-call Triton binding: the expand launch follows the
         # host sync, so its cost would idle the GPU); keys: the dtypes and flags that vary between calls
@@ -111,12 +112,15 @@ class FusedEngine:
         topk = topk_idx.contiguous()
         self.seq[0] += 1
         plan = torch.empty(W + 1 + E_L * W + E_L, dtype=torch.int64, device=x.device)
-        nb = max(1, cdiv(T, self.bt))  # ROW_ENDS off: the experts get tokens_per_expert (plan's tail)
-        self._route.launch((nb,), topk.dtype, self._or_dummy(topk, topk.dtype), self._counts,
-                           self._totals, self._minmax, self._ctr[0],
-                             self.state.notify, self._sig[_SIG_NOTIFY], plan, self._info, plan, T, self.seq[0], E,
-                             E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
-                             BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), ROW_ENDS=False, num_warps=cfg.num_warps)
+        topk_arg = self._or_dummy(topk, topk.dtype)
+        route = self._bound.get(("route", topk.dtype))
+        if route is None:  # ROW_ENDS off: the experts get tokens_per_expert (plan's tail); varying: topk, plan, T, seq
+            route = self._bound[("route", topk.dtype)] = self._route.bind(
+                topk.dtype, [topk_arg, self._counts, self._totals, self._minmax, self._ctr[0], self.state.notify,
+                             self._sig[_SIG_NOTIFY], plan, self._info, plan, T, self.seq[0], E, E_L, W], (0, 7, 9, 10, 11),
+                K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16, BLOCK_W=_P2(W),
+                BLOCK_EL=_P2(E_L), ROW_ENDS=False, num_warps=cfg.num_warps)
+        route.launch((max(1, cdiv(T, self.bt)),), topk_arg, plan, plan, T, self.seq[0])
         if self.cuda:
             self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()
@@ -144,6 +148,17 @@ class FusedEngine:
 
     def _send(self, x, x2, topk, weights) -> None:
         self.seq[1] += 1
+        args = (self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32), self._or_dummy(topk, topk.dtype),
+                self._or_dummy(weights, torch.float32), x.shape[0], self.seq[1])
+        key = (x.dtype, x.shape[1], None if x2 is None else (x2.dtype, x2.shape[1]), topk.dtype, weights is None)
+        send = self._bound.get(("send", key))
+        if send is None:
+            send = self._bound[("send", key)] = self._bind_send(key, x, x2, args)
+        send.launch((max(1, cdiv(x.shape[0], self.bt)),), *args)
+
+    def _bind_send(self, key, x, x2, args) -> BoundLaunch:
+        """The send launch of one key (dtypes, widths, whether weights come): varying are x, x2, topk, weights
+        (args[:4]), T and seq; the staging views and row widths follow from the key (checked here)."""
         row = self._row(x.dtype, x.shape[1], "dispatch")
         h2, row2, rows2, align2 = 0, 0, None, 1
         if x2 is not None:
@@ -151,34 +166,39 @@ class FusedEngine:
             h2, align2 = x2.shape[1], 16 // x2.element_size()
             rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
         st, K = self.state, self.K
-        nb = max(1, cdiv(x.shape[0], self.bt))
-        key = (x.dtype, None if x2 is None else x2.dtype, topk.dtype, weights is None)
-        self._send_k.launch((nb,), key, self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32),
-                            self._or_dummy(topk, topk.dtype),
-                            self._or_dummy(weights, torch.float32), self._counts, self._typed("rows", x.dtype),
-                            self._or_dummy(rows2, torch.float32), st.route, st.slot, st.weight,
-                            self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED], self._ctr[1], x.shape[0],
-                            self.seq[1], self.E, self.E_L, self.W, self.M, x.shape[1], row, h2, row2, K=K, BT=self.bt,
-                            BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt), BLOCK_K=_P2(K), BLOCK_B=16,
-                            BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h, ALIGN=16 // x.element_size(), ALIGN2=align2,
-                            WITH_META=weights is not None, HAS_X2=x2 is not None, num_warps=self.cfg.num_warps)
+        full = [*args[:4], self._counts, self._typed("rows", x.dtype), self._or_dummy(rows2, torch.float32), st.route,
+                st.slot, st.weight, self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED], self._ctr[1], args[4],
+                args[5], self.E, self.E_L, self.W, self.M, x.shape[1], row, h2, row2]
+        return self._send_k.bind(
+            key, full, (0, 1, 2, 3, 13, 14), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
+            BLOCK_K=_P2(K), BLOCK_B=16, BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h,
+            ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=key[-1] is False, HAS_X2=x2 is not None,
+            num_warps=self.cfg.num_warps)
 
     def _expand(self, p: FusedPlan, out, out_w, out2) -> None:
+        args = (self._or_dummy(out, out.dtype), self._or_dummy(out2, torch.float32),
+                self._or_dummy(out_w, torch.float32), self._or_dummy(p.token_rows, torch.int32), p.plan, self.seq[1])
+        key = (out.dtype, out.shape[1], None if out2 is None else (out2.dtype, out2.shape[1]), out_w is None)
+        expand = self._bound.get(("expand", key))
+        if expand is None:
+            expand = self._bound[("expand", key)] = self._bind_expand(key, out, out2, args)
+        expand.launch((max(1, cdiv(p.num_recv_tokens, self.cfg.tokens_per_program)),), *args)
+
+    def _bind_expand(self, key, out, out2, args) -> BoundLaunch:
+        """The expand launch of one key: varying are out, out2, out_w, token_rows, plan (args[:5]) and seq."""
         st, K, tpp = self.state, self.K, self.cfg.tokens_per_program
         h2 = row2 = 0
-        rows2 = out2_arg = None
+        rows2 = None
         if out2 is not None:
             skip = out.shape[1] * out.element_size() // out2.element_size()
-            rows2, out2_arg = self._typed("rows", out2.dtype)[skip:], out2
+            rows2 = self._typed("rows", out2.dtype)[skip:]
             h2, row2 = out2.shape[1], self.row_bytes // out2.element_size()
-        key = (out.dtype, None if out2 is None else out2.dtype, out_w is None)
-        self._expand_k.launch(
-            (max(1, cdiv(p.num_recv_tokens, tpp)),), key, self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), self._or_dummy(out, out.dtype),
-            self._or_dummy(out2_arg, torch.float32), st.route, st.slot, st.weight, self._or_dummy(out_w, torch.float32),
-            self._or_dummy(p.token_rows, torch.int32), p.plan, self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED],
-            self._ctr[2], self.seq[1], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2,
-            K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, FROM_META=out_w is not None,
-            HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
+        full = [self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), args[0], args[1], st.route,
+                st.slot, st.weight, args[2], args[3], args[4], self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED],
+                self._ctr[2], args[5], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2]
+        return self._expand_k.bind(
+            key, full, (2, 3, 7, 8, 9, 13), K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
+            FROM_META=key[-1] is False, HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, p: FusedPlan, y: Optional[torch.Tensor], coef: Optional[torch.Tensor] = None,
