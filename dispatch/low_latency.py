@@ -12,8 +12,8 @@ dispatch (one kernel, two roles; programs take their role from a ticket, see bel
   pair's weight and t * K + k go to r's recv_w / recv_src[e_l, me, slot]. A slot >= M is never used:
   the error is recorded (raised at the next call). Pairs per expert are counted with integer atomics;
   the last send program SETs count[e_l, me] = epoch * (M + 1) + count on every r (release).
-- receive (local expert x source x column chunk): waits for the counts of its expert from all sources,
-  copies each (expert, source) pair's row from recv[source, t] to out[e_l, (rows of lower sources) +
+- receive (local expert x source x column chunk): waits for the counts of its expert from the sources up
+  to its own (the rows of lower sources come first), copies each (expert, source) pair's row from recv[source, t] to out[e_l, (rows of lower sources) +
   slot]: expert-major, then source rank, then token, then k; records the row in pair_row[source, t, k].
   The last receive program SETs consumed[me] on every source (a sender waits for it before it overwrites
   a peer's staging rows) and advances the epoch word.
@@ -180,14 +180,15 @@ def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
     base = epoch * (M + 1)
     offset = tl.zeros((), tl.int64)
     count = tl.zeros((), tl.int64)
-    total = tl.zeros((), tl.int64)
-    for r in range(0, W):
+    # the counts of sources up to src only (the rows of lower sources come first in the expert's block): a
+    # program starts copying once they have published, not the slowest rank; the last source's programs wait
+    # for every count and write the expert's total
+    for r in range(0, src + 1):
         n = tcl.wait(count_ptr + el * W + r, base, tcl.CMP_GE) - base
-        total += n
         offset += tl.where(r < src, n, 0)
         count = tl.where(r == src, n, count)
-    if (src == 0) & (j == 0):
-        tl.store(per_expert_ptr + el, total)
+    if (src == W - 1) & (j == 0):
+        tl.store(per_expert_ptr + el, offset + count)
     first = el.to(tl.int64) * W * M + offset  # output row of slot 0
     for i0 in range(0, count, BLOCK_R):
         ii = i0 + tl.arange(0, BLOCK_R)
