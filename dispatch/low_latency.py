@@ -8,13 +8,16 @@ which is what crosses back. Dispatch and combine are one launch each (two with `
 
 dispatch (one kernel, two roles; programs take their role from a ticket, see below):
 - send (token x column chunk): the slot of pair (t, k) = its index among this rank's pairs for that
-  expert (token order, then k). The row goes once to each owner r of its pairs, to r's recv[me, t]; the
+  expert (token order, then k). Once each owner r of its pairs has consumed the previous call (r's
+  consumed[me] word), the row goes once to each such r, to r's recv[me, t]; the
   pair's weight and t * K + k go to r's recv_w / recv_src[e_l, me, slot]. A slot >= M is never used:
   the error is recorded (raised at the next call). Pairs per expert are counted with integer atomics;
-  the last send program SETs count[e_l, me] = epoch * (M + 1) + count on every r (release).
+  the last send program waits until every rank has consumed the previous call, then SETs count[e_l, me] =
+  epoch * (M + 1) + count on every r (release).
 - receive (local expert x source x column chunk): waits for the counts of its expert from the sources up
-  to its own (the rows of lower sources come first), copies each (expert, source) pair's row from recv[source, t] to out[e_l, (rows of lower sources) +
-  slot]: expert-major, then source rank, then token, then k; records the row in pair_row[source, t, k].
+  to its own (the rows of lower sources come first), copies each (expert, source) pair's row from
+  recv[source, t] to out[e_l, (rows of lower sources) + slot]: expert-major, then source rank, then token,
+  then k; records the row in pair_row[source, t, k].
   The last receive program SETs consumed[me] on every source (a sender waits for it before it overwrites
   a peer's staging rows) and advances the epoch word.
 
@@ -96,7 +99,7 @@ def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
               consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M,
               H, ROW, K, BLOCK_K, BLOCK_C, BLOCK_W, BLOCK_H, ALIGN)
         if last_of(counter_ptr + 1, N_SEND):
-            _publish_counts(pairs_ptr, count_ptr, err_ptr, tcl.rank(), epoch, E_L, W, M, BLOCK_EL)
+            _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, tcl.rank(), epoch, E_L, W, M, BLOCK_EL)
     else:
         r = ticket - N_SEND
         _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
@@ -118,7 +121,6 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
     for c0 in range(p * stripe, tl.minimum(n_map, p * stripe + stripe), BLOCK_C):
         fc = c0 + tl.arange(0, BLOCK_C)
         tl.store(pair_row_ptr + fc, tl.full((BLOCK_C,), -1, tl.int32), mask=fc < tl.minimum(n_map, p * stripe + stripe))
-    wait_all(consumed_ptr, epoch - 1, W)  # every rank has copied out my previous rows
     kk = tl.arange(0, BLOCK_K)
     km = tl.where(t < T, kk < K, False)  # (scalar & vector masks break the interpreter)
     f = t.to(tl.int64) * K + kk
@@ -137,6 +139,9 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
     # the row goes to each owner once: at the first of that owner's pairs, in k order
     earlier = (kk[None, :] < kk[:, None]) & (owner[None, :] == owner[:, None])  # [k, k'] with k' < k
     first = ok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
+    for k in tl.static_range(K):  # each owner of this token has copied out my previous rows (not every rank)
+        if tl.max(((kk == k) & first).to(tl.int32), axis=0) > 0:
+            tcl.wait(consumed_ptr + tl.sum(tl.where(kk == k, owner, 0), axis=0), epoch - 1, tcl.CMP_GE)
     if j == 0:
         dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
         to = tl.where(ok, owner, 0)
@@ -159,8 +164,10 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
 
 
 @triton.jit
-def _publish_counts(pairs_ptr, count_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_EL: tl.constexpr):
-    """SET count[e_l, me] = epoch * (M + 1) + min(rows, M) on every rank r, for r's experts; clear pairs."""
+def _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_EL: tl.constexpr):
+    """SET count[e_l, me] = epoch * (M + 1) + min(rows, M) on every rank r, for r's experts; clear pairs.
+    First every rank has read my previous counts (its receive of the last call is done: consumed)."""
+    wait_all(consumed_ptr, epoch - 1, W)
     el = tl.arange(0, BLOCK_EL)
     for r in range(0, W):
         n = tl.load(pairs_ptr + r * E_L + el, mask=el < E_L, other=0)
