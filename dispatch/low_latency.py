@@ -380,7 +380,6 @@ class LowLatencyEngine:
         self.state.check_live()
         self.check_errors()
         W, E_L, M, H = self.W, self.E_L, self.M, self.H
-        recv_w, recv_src, count, epoch = self._bufs
         T, cap, dev, cp = x.shape[0], W * M, x.device, self.cfg.col_programs
         topk, weights = self._or_dummy(topk_idx.contiguous()), self._or_dummy(topk_weights.float().contiguous())
         out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
@@ -392,6 +391,7 @@ class LowLatencyEngine:
         bound = self._bound.get(("dispatch", x.dtype, topk.dtype))
         if bound is None:
             recv, row = self._staging("recv", x.dtype)
+            recv_w, recv_src, count, epoch = self._bufs
             # varying: x, topk, weights, the four outputs, N_SEND, N_RECV, T (positions below)
             bound = self._bound[("dispatch", x.dtype, topk.dtype)] = self._dispatch.bind(
                 (x.dtype, topk.dtype), [x_arg, topk, weights, recv, recv_w, recv_src, count, self._sig[_SIG_CONSUMED],
