@@ -22,7 +22,8 @@ dispatch (one kernel, two roles; programs take their role from a ticket, see bel
   a peer's staging rows) and advances the epoch word.
 
 combine (one kernel, two roles):
-- reduce on the expert side (source x token x column chunk): partial = sum over k (in order) of
+- reduce on the expert side (source x token x column chunk, sources from me + 1 on, so that every rank
+  does not send to the same rank at once): partial = sum over k (in order) of
   w * y[pair_row[s, t, k]] (fp32, mul then add, cast to y's dtype) goes to s's back[t, me]. The last
   program SETs back_ready[me] on every rank.
 - sum on the source (token x column chunk): out[t] = sum over ranks r (in order) of the partial rows
@@ -225,7 +226,7 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
     me = tcl.rank()
     epoch = tl.load(epoch_ptr + 1) + 1
     if ticket < N_BACK:
-        s = ticket // (M * CP)
+        s = (me + 1 + ticket // (M * CP)) % W  # sources from me + 1 on: the ranks send to different ranks at a time
         t = (ticket // CP) % M
         tcl.wait(consumed_ptr + s, epoch - 1, tcl.CMP_GE)  # s has summed my previous partial rows
         kk = tl.arange(0, BLOCK_K)

@@ -21,8 +21,9 @@ dispatch is three launches and one host read:
 Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
 The host reads (R, N) after route (one D2H copy while send runs: the only sync) to size the output.
 Combine (two launches, no host sync):
-4. combine_send (received tokens): partial = sum_k coef * y[row] over the token's pairs here (fp32,
-   k order), cast to y's dtype, stored once into source s's back_rows[me, t] (+ per-pair values).
+4. combine_send (received tokens, source by source from me + 1 on, so that the ranks send to different
+   ranks at a time): partial = sum_k coef * y[row] over the token's pairs here (fp32, k order), cast to
+   y's dtype, stored once into source s's back_rows[me, t] (+ per-pair values).
 5. combine_recv (this rank's tokens): out[t] = sum over ranks r, in order, of back_rows[r, t] (fp32).
 
 A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r, and
@@ -201,7 +202,8 @@ def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W: 
         cols = h + cols0
         cm = cols < H
         v = tl.load(src_ptr + tok[:, None] * H + cols[None, :], mask=tok_ok[:, None] & cm[None, :])
-        for r in range(0, W):
+        for i in range(0, W):  # from me + 1 on: the ranks do not all store to the same rank first
+            r = (me + 1 + i) % W
             hit = tl.max((owner == r).to(tl.int32), axis=1) > 0
             dst = dst_ptr + tl.multiple_of(tl.sum(tl.where(lanes == r, to_pe, 0), axis=0), ALIGN)
             tl.store(dst + dst_row[:, None] + cols[None, :], v, mask=hit[:, None] & cm[None, :])
@@ -237,6 +239,28 @@ def _received(plan_ptr, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
     for r in range(1, W):
         src += (i >= tl.load(plan_ptr + r)).to(tl.int64)
     return i, i_ok, src, i - tl.load(plan_ptr + src)
+
+
+@triton.jit
+def _received_from_next(plan_ptr, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """As _received, the received tokens taken source by source from me + 1 on (me + 1, me + 2, ..., me):
+    programs run about in order, so while every rank sends back to source me + k the destinations are a
+    permutation of the ranks, not all of them the same rank (whose links would take every rank's rows at once)."""
+    tt = tl.arange(0, BLOCK_T)
+    j = tl.program_id(0).to(tl.int64) * BT + tt  # place in the rotated order
+    i_ok = (tt < BT) & (j < tl.load(plan_ptr + W))
+    src = tl.zeros((BLOCK_T,), tl.int64)
+    t = tl.zeros((BLOCK_T,), tl.int64)
+    before = tl.zeros((), tl.int64)  # tokens of the sources earlier in the rotated order
+    for r in range(0, W):
+        s = (me + 1 + r) % W
+        first = tl.load(plan_ptr + s)
+        count = tl.load(plan_ptr + s + 1) - first
+        inside = (j >= before) & (j < before + count)
+        src = tl.where(inside, s, src)
+        t = tl.where(inside, j - before, t)
+        before += count
+    return tl.load(plan_ptr + src) + t, i_ok, src, t
 
 
 @triton.jit
@@ -292,7 +316,7 @@ def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, ba
                          HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr):
     me = tcl.rank()
     wait_all(consumed_ptr, seq - 1, W)
-    i, i_ok, src, t = _received(plan_ptr, W, BT, BLOCK_T)
+    i, i_ok, src, t = _received_from_next(plan_ptr, me, W, BT, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
     rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=i_ok[:, None] & (kk < K)[None, :],
                    other=-1).to(tl.int64)
