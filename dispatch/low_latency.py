@@ -146,7 +146,8 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
     if j == 0:
         dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
         to = tl.where(ok, owner, 0)
-        tl.atomic_add(pairs_ptr + tl.where(valid, ids, 0), 1, mask=valid)  # pairs per expert (integer: exact)
+        # pairs per expert (integer: exact); relaxed: the publisher reads them after last_of's release / acquire
+        tl.atomic_add(pairs_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed", scope="gpu")
         tl.store(recv_w_ptr + peer_offset(recv_w_ptr, to, 1) + dst, tl.load(w_ptr + f, mask=ok), mask=ok)
         tl.store(recv_src_ptr + peer_offset(recv_src_ptr, to, 1) + dst, f.to(tl.int32), mask=ok)
         ww = tl.arange(0, BLOCK_W)
