@@ -1,10 +1,12 @@
-"""Normal-mode dispatch tuning sweep (one GPU, world 1): 4096 x 7168 bf16, top-8 of 256 experts.
+"""Normal-mode dispatch tuning sweep: 4096 x 7168 bf16 per rank, top-8 of 256 experts.
 
-    python tests/dispatch_probe.py [--configs "send_programs=132,send_block_h=1024;..."]
+    python tests/dispatch_probe.py [--configs "send_programs=132,send_block_h=1024;..."]     # world 1
+    torchrun --nproc-per-node 4 tests/dispatch_probe.py [--configs ...]                     # world 4, rank 0 prints
 
-For each NormalConfig variant (fields over NormalConfig.for_device's): µs per call back to back, each kernel's
-mean device time and a call's span (first kernel start to last kernel end), checked bit for bit against the
-first config's rows, weights and combine. (2026-11-26 it measured a persistent send that published each block
+For each NormalConfig variant (fields over NormalConfig.for_device's): dispatch and combine µs per call back to
+back, each kernel's mean device time, the GPU's idle time before each and a call's span (first kernel start to
+last kernel end), checked bit for bit against the first config's rows, weights and combine (each rank its own
+tokens; at world W the times are rank 0's). (2026-11-26 it measured a persistent send that published each block
 and an expand trailing it on a side stream, BENCHMARKS.md: no faster, dropped.) Not a test (no assertions beyond equality)."""
 import argparse
 
@@ -51,10 +53,13 @@ def main():
     p.add_argument("--configs", default=DEFAULT, help="';'-separated variants, each 'field=value,...' ('' = default)")
     args = p.parse_args()
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
+    rank = tilecomm.rank()
     T, H, E, K = 4096, 7168, 256, 8
-    x, idx, w = routed_tokens(T, H, E, K)
+    x, idx, w = routed_tokens(T, H, E, K, seed=rank)
     want = []
-    print(f"normal dispatch 4096x7168 top-8 of 256, world 1, {torch.cuda.get_device_name()}", flush=True)
+    if rank == 0:
+        print(f"normal dispatch 4096x7168 top-8 of 256, world {tilecomm.world_size()}, {torch.cuda.get_device_name()}",
+              flush=True)
 
     def run(over):
         d = Dispatcher(E, H, T, K, torch.bfloat16)
@@ -67,10 +72,14 @@ def main():
             same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
             per_call = measure.per_call_us(lambda: d.dispatch(x, idx, w))
             kernels, idle, span = timeline(lambda: d.dispatch(x, idx, w), calls=12)
+            per_combine = measure.per_call_us(lambda: d.combine(res.x, res.handle))
+            c_kernels, c_idle, c_span = timeline(lambda: d.combine(res.x, res.handle), calls=12)
         d.free()
         name = ",".join(f"{k}={v}" for k, v in over.items()) or "default"
-        return (f"{name:62s} dispatch {per_call:7.1f} µs/call  span {span:6.1f}  {kernels}  GPU idle before: {idle}  "
-                f"same={same}")
+        return "" if rank else (
+            f"{name:62s} dispatch {per_call:7.1f} µs/call  span {span:6.1f}  {kernels}  GPU idle before: {idle}\n"
+            f"{'':62s} combine  {per_combine:7.1f} µs/call  span {c_span:6.1f}  {c_kernels}  GPU idle before: {c_idle}  "
+            f"same={same}")
 
     sweep_configs(nm.NormalConfig, [parse(text) for text in args.configs.split(";")], H, run)
     tilecomm.finalize()

@@ -31,6 +31,8 @@
 #          -> $OUT/overlap_profile.log
 #   llworld  tests/ll_probe.py --default on every GPU (one rank each): low-latency dispatch / combine at world W, the send
 #          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
+#   dispatchworld  tests/dispatch_probe.py on every GPU (one rank each): normal dispatch / combine at world W, their
+#          kernels and the GPU's idle time, per NormalConfig variant (DISPATCH_WORLD_CONFIGS) -> $OUT/dispatch_world.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -66,6 +68,12 @@ fi
 if has llworld && [ "$NGPU" -ge 2 ]; then
   timeout "${LL_WORLD_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/ll_probe.py ${LL_WORLD_ARGS---default} 2>&1 \
     | grep -v "named symbol not found\|UserWarning\|_warn_once\|^W1" | tee "$OUT/ll_world.log"
+fi
+
+if has dispatchworld && [ "$NGPU" -ge 2 ]; then  # tests/dispatch_probe.py on every GPU: normal dispatch / combine at world W
+  timeout "${DISPATCH_WORLD_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$NGPU" tests/dispatch_probe.py \
+    --configs "${DISPATCH_WORLD_CONFIGS:-;pairs_per_program=64;tokens_per_program=2;send_block_h=2048}" 2>&1 \
+    | grep -v "named symbol not found\|UserWarning\|_warn_once\|^W1" | tee "$OUT/dispatch_world.log"
 fi
 
 if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, source, target) signal, both transports
