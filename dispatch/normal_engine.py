@@ -172,7 +172,7 @@ class FusedEngine:
         return self._send_k.bind(
             key, full, (0, 1, 2, 3, 13, 14), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
             BLOCK_K=_P2(K), BLOCK_B=16, BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h,
-            ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=key[-1] is False, HAS_X2=x2 is not None,
+            ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=not key[-1], HAS_X2=x2 is not None,
             num_warps=self.cfg.num_warps)
 
     def _expand(self, p: FusedPlan, out, out_w, out2) -> None:
@@ -198,7 +198,7 @@ class FusedEngine:
                 self._ctr[2], args[5], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2]
         return self._expand_k.bind(
             key, full, (2, 3, 7, 8, 9, 13), K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
-            FROM_META=key[-1] is False, HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
+            FROM_META=not key[-1], HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, p: FusedPlan, y: Optional[torch.Tensor], coef: Optional[torch.Tensor] = None,
