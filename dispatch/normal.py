@@ -13,9 +13,9 @@ dispatch is three launches and one host read:
    earlier blocks' counts + its rank inside the block), then for every rank r: route/slot/weight of each
    token (-1 = no local expert) and, ONCE per token that has an expert on r, its row into r's
    rows[me, t]. Stores go through symm_at(., r), r == me included. Last program: SET ready[me] = seq on r.
-3. expand (programs: received tokens): after ready[s] (only the sources of the program's own tokens), the
-   row of (s, t) is read once and written to out[row_off[e, s] + slot] for each of its pairs here (local
-   expert, then source, then token, then k).
+3. expand (programs: received tokens, source by source from me + 1 on, as in combine_send): after ready[s]
+   (only the sources of the program's own tokens), the row of (s, t) is read once and written to
+   out[row_off[e, s] + slot] for each of its pairs here (local expert, then source, then token, then k).
    Last program: SET consumed[me] = seq on every s.
 
 Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
@@ -230,22 +230,11 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
 
 
 @triton.jit
-def _received(plan_ptr, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """This program's received tokens: flat index i, mask, source rank, token index there."""
-    tt = tl.arange(0, BLOCK_T)
-    i = tl.program_id(0).to(tl.int64) * BT + tt
-    i_ok = (tt < BT) & (i < tl.load(plan_ptr + W))
-    src = tl.zeros((BLOCK_T,), tl.int64)
-    for r in range(1, W):
-        src += (i >= tl.load(plan_ptr + r)).to(tl.int64)
-    return i, i_ok, src, i - tl.load(plan_ptr + src)
-
-
-@triton.jit
-def _received_from_next(plan_ptr, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """As _received, the received tokens taken source by source from me + 1 on (me + 1, me + 2, ..., me):
-    programs run about in order, so while every rank sends back to source me + k the destinations are a
-    permutation of the ranks, not all of them the same rank (whose links would take every rank's rows at once)."""
+def _received(plan_ptr, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's received tokens (flat index i, mask, source rank, token index there), taken source by
+    source from me + 1 on (me + 1, me + 2, ..., me): programs run about in order, so while every rank's
+    combine sends back to source me + k the destinations are a permutation of the ranks, not all of them
+    the same rank (whose links would take every rank's rows at once)."""
     tt = tl.arange(0, BLOCK_T)
     j = tl.program_id(0).to(tl.int64) * BT + tt  # place in the rotated order
     i_ok = (tt < BT) & (j < tl.load(plan_ptr + W))
@@ -284,7 +273,7 @@ def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, 
                    K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr):
     me = tcl.rank()
-    i, i_ok, src, t = _received(plan_ptr, W, BT, BLOCK_T)
+    i, i_ok, src, t = _received(plan_ptr, me, W, BT, BLOCK_T)
     # wait only for the sources of this program's tokens (one on GPUs): the rows of a rank whose send is done
     # are expanded while a slower rank's send still runs
     for r in range(0, W):
@@ -316,7 +305,7 @@ def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, ba
                          HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr):
     me = tcl.rank()
     wait_all(consumed_ptr, seq - 1, W)
-    i, i_ok, src, t = _received_from_next(plan_ptr, me, W, BT, BLOCK_T)
+    i, i_ok, src, t = _received(plan_ptr, me, W, BT, BLOCK_T)
     kk = tl.arange(0, BLOCK_K)
     rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=i_ok[:, None] & (kk < K)[None, :],
                    other=-1).to(tl.int64)
