@@ -291,6 +291,16 @@ def _direct_launcher(kernel):
     return launcher.launch, prefix
 
 
+def _run_compiled(entry, grid, device_index: int, values) -> None:
+    """Launch a CachedLaunch entry (run, function, prefix, constexprs) with the launcher's values on the
+    current stream of the device, after raising any device error the runtime recorded."""
+    run, function, prefix, consts = entry
+    runtime.check_errors()
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *prefix, *values, *consts)
+
+
 class CachedLaunch:
     """Launch one TileKernel the way a hot path needs: on GPUs, through the compiled kernel itself,
     skipping Triton's per-call argument binding, cache lookup and pointer queries (tens of µs for a
@@ -355,11 +365,7 @@ class CachedLaunch:
             else:
                 self.kernels[(key, spec)] = (direct[0], kernel.function, direct[1], consts)
             return
-        run, function, prefix, consts = entry
-        runtime.check_errors()
-        stream = torch._C._cuda_getCurrentRawStream(first.get_device())
-        n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *prefix, *values, *consts)
+        _run_compiled(entry, grid, first.get_device(), values)
 
 
 class BoundLaunch:
@@ -413,8 +419,4 @@ class BoundLaunch:
             if entry is not None:
                 self.entries[spec] = entry
             return
-        run, function, prefix, consts = entry
-        runtime.check_errors()
-        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *prefix, *values, *consts)
+        _run_compiled(entry, grid, self.device.index, values)
