@@ -103,12 +103,14 @@ class CollectiveState:
     depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
     rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_exchange.py; on by default)
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
-    # (views made once), launch constexprs per (element size, alignment), the ring's heap offset, the split
+    # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
+    # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
     # tables' slots (views, the event of the call that last used each, a NumPy view to fill them)
     _pairs: Optional[CachedLaunch] = None
     _reduce: Optional[CachedLaunch] = None
     _heap_views: dict = field(default_factory=dict)
     _configs: dict = field(default_factory=dict)
+    _bound: dict = field(default_factory=dict)  # per (dtypes, key): the launch bound to the state's buffers
     _max_w: int = 1
     _ring_offset: int = 0
     _rs_ring_offset: int = 0
@@ -176,7 +178,7 @@ class CollectiveState:
             if heap.local is not None:
                 heap.release(heap.offset_of(t))
         self.ring = self.rs_ring = self.words = self.rs_words = self._error = None
-        self._heap_views = {}
+        self._heap_views, self._bound = {}, {}
 
     # -- helpers ----------------------------------------------------------------------------------
     def _table(self, send: Sequence[Tuple[int, int]], recv: Sequence[Tuple[int, int]]) -> torch.Tensor:
@@ -255,10 +257,13 @@ class CollectiveState:
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
         table = self.words if even else self._table(send, recv)
         key = ("pairs", elem, aligned, even, gather, in_place)
-        self._pairs.launch(
-            self._pairs_grid, (src.dtype, out.dtype) + key,
-            src, out, self._heap_views[torch.uint8], self.words, table, self._error,
-            self._ring_offset // elem, in_heap_off, n_even, self.programs_per_peer, **self._launch_config(key))
+        bound = self._bound.get((src.dtype, out.dtype) + key)
+        if bound is None:  # varying: src, out, table, in_heap_off, n_even
+            bound = self._bound[(src.dtype, out.dtype) + key] = self._pairs.bind(
+                (src.dtype, out.dtype) + key,
+                [src, out, self._heap_views[torch.uint8], self.words, table, self._error, self._ring_offset // elem,
+                 in_heap_off, n_even, self.programs_per_peer], (0, 1, 4, 7, 8), **self._launch_config(key))
+        bound.launch(self._pairs_grid, src, out, table, in_heap_off, n_even)
         if not even:
             self._after_launch()
         if self._on_cpu:
@@ -272,10 +277,13 @@ class CollectiveState:
         aligned = n * elem % 16 == 0 and (out.data_ptr() | src.data_ptr()) & 15 == 0
         key = ("reduce", elem, aligned, op, average, in_place, _accumulator(src.dtype))
         columns = self._pairs_grid[0]  # W * P: every SM reduces (and stages) a share
-        self._reduce.launch(
-            (columns,), (src.dtype,) + key,
-            src, out, self._heap_views[src.dtype], self.rs_words, self._error,
-            self._rs_ring_offset // elem, in_heap_off, n, columns, **self._launch_config(key))
+        bound = self._bound.get((src.dtype,) + key)
+        if bound is None:  # varying: src, out, in_heap_off, n
+            bound = self._bound[(src.dtype,) + key] = self._reduce.bind(
+                (src.dtype,) + key,
+                [src, out, self._heap_views[src.dtype], self.rs_words, self._error, self._rs_ring_offset // elem,
+                 in_heap_off, n, columns], (0, 1, 6, 7), **self._launch_config(key))
+        bound.launch((columns,), src, out, in_heap_off, n)
         if self._on_cpu:
             self._raise_mismatch_now()
 
