@@ -10,8 +10,7 @@ dispatch (one kernel, two roles; programs take their role from a ticket, see bel
 - send (token x column chunk): the slot of pair (t, k) = its index among this rank's pairs for that
   expert (token order, then k). Once each owner r of its pairs has consumed the previous call (r's
   consumed[me] word), the row goes once to each such r, to r's recv[me, t]; the
-  pair's weight and t * K + k go to r's recv_w / recv_src[e_l, me, slot] (of this call's set, see below). A
-  slot >= M is never used:
+  pair's weight and t * K + k go to r's recv_w / recv_src[e_l, me, slot]. A slot >= M is never used:
   the error is recorded (raised at the next call). Pairs per expert are counted with integer atomics;
   the last send program waits until every rank has consumed the previous call, then SETs count[e_l, me] =
   epoch * (M + 1) + count on every r (release).
@@ -39,12 +38,6 @@ receive role is launched later as its own grid.
 
 Epochs live in device words (dispatch: epoch[0], combine: epoch[1]) and are advanced by the kernels,
 so nothing reads a device value on the host and the calls can be captured in a CUDA graph.
-
-Two sets of staging buffers (DeepEP's double buffering): calls of odd and even epoch use their own recv,
-recv_w, recv_src and count words (dispatch) and back rows (combine). A call's writers wait only until the
-readers of the call before last are done (consumed >= epoch - 2), so the send of one call runs while the
-peers still receive the previous one (two dispatches in a row, e.g. two micro-batches, overlap). The ready
-and consumed words stay one per rank: they only grow, and a rank sets epoch n + 1 after all of call n.
 """
 from __future__ import annotations
 
@@ -102,11 +95,6 @@ def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
     pair_row_ptr = maps_ptr
     token_ranks_ptr = maps_ptr + W * M * K
     epoch = tl.load(epoch_ptr) + 1
-    half = epoch % 2  # this call's set of staging buffers and count words (see "Two sets" above)
-    recv_ptr += half * W * M * ROW
-    recv_w_ptr += half * E_L * W * M
-    recv_src_ptr += half * E_L * W * M
-    count_ptr += half * E_L * W
     if ticket < N_SEND:
         _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
               consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M,
@@ -152,9 +140,9 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
     # the row goes to each owner once: at the first of that owner's pairs, in k order
     earlier = (kk[None, :] < kk[:, None]) & (owner[None, :] == owner[:, None])  # [k, k'] with k' < k
     first = ok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
-    for k in tl.static_range(K):  # each owner of this token has copied out my rows of the call before last
+    for k in tl.static_range(K):  # each owner of this token has copied out my previous rows (not every rank)
         if tl.max(((kk == k) & first).to(tl.int32), axis=0) > 0:
-            tcl.wait(consumed_ptr + tl.sum(tl.where(kk == k, owner, 0), axis=0), epoch - 2, tcl.CMP_GE)
+            tcl.wait(consumed_ptr + tl.sum(tl.where(kk == k, owner, 0), axis=0), epoch - 1, tcl.CMP_GE)
     if j == 0:
         dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
         to = tl.where(ok, owner, 0)
@@ -180,9 +168,8 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
 @triton.jit
 def _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_EL: tl.constexpr):
     """SET count[e_l, me] = epoch * (M + 1) + min(rows, M) on every rank r, for r's experts; clear pairs.
-    First every rank has read my counts of the call before last (its receive of that call is done: consumed),
-    the last ones in this set of count words."""
-    wait_all(consumed_ptr, epoch - 2, W)
+    First every rank has read my previous counts (its receive of the last call is done: consumed)."""
+    wait_all(consumed_ptr, epoch - 1, W)
     el = tl.arange(0, BLOCK_EL)
     for r in range(0, W):
         n = tl.load(pairs_ptr + r * E_L + el, mask=el < E_L, other=0)
@@ -239,11 +226,10 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
     token_ranks_ptr = maps_ptr + W * M * K
     me = tcl.rank()
     epoch = tl.load(epoch_ptr + 1) + 1
-    back_ptr += (epoch % 2) * M * W * ROW  # this call's set of back rows
     if ticket < N_BACK:
         s = (me + 1 + ticket // (M * CP)) % W  # sources from me + 1 on: the ranks send to different ranks at a time
         t = (ticket // CP) % M
-        tcl.wait(consumed_ptr + s, epoch - 2, tcl.CMP_GE)  # s has summed my rows of the call before last
+        tcl.wait(consumed_ptr + s, epoch - 1, tcl.CMP_GE)  # s has summed my previous partial rows
         kk = tl.arange(0, BLOCK_K)
         rows = tl.load(pair_row_ptr + (s.to(tl.int64) * M + t) * K + kk, mask=kk < K, other=-1)
         if tl.max(rows, axis=0) >= 0:
