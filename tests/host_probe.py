@@ -3,7 +3,7 @@
     python tests/host_probe.py
 
 Each line is host µs per call of N calls back to back (no wait), for: the whole public call, the
-argument checks alone, the CollectiveState call alone, CachedLaunch.launch with the call's own
+argument checks alone, the CollectiveState call alone, the bound launch (jit.BoundLaunch) with the call's own
 arguments, the compiled kernel's run() with the values it is handed, and floors: torch's copy_, a
 Triton kernel of 1 and of 20 arguments launched through run(); then the GPU time of reading a split table from
 pinned host memory against device memory (table_read_probe) (the uneven all_to_all's kernels read theirs from pinned
@@ -16,7 +16,7 @@ import triton.language as tl
 
 import tilecomm
 from tilecomm.collectives import api
-from tilecomm.jit import CachedLaunch
+from tilecomm.jit import BoundLaunch
 
 
 def host_us(fn, n=2000, busy=False):
@@ -90,19 +90,20 @@ def main():
     rows.append(("  _a2a (state + launch)", host_us(lambda: api._a2a(out, x, [128], [128]))))
 
     captured = {}
-    real_launch = CachedLaunch.launch
+    real_launch = BoundLaunch.launch
 
-    def spy(self, grid, key, *args, **kw):
-        captured["launch"] = (self, grid, key, args, kw)
-        return real_launch(self, grid, key, *args, **kw)
+    def spy(self, grid, *varying):
+        captured["launch"] = (self, grid, varying)
+        return real_launch(self, grid, *varying)
 
-    CachedLaunch.launch = spy
+    BoundLaunch.launch = spy
     tilecomm.all_to_all_single(out, x)
-    CachedLaunch.launch = real_launch
-    self, grid, key, args, kw = captured["launch"]
-    rows.append(("  CachedLaunch.launch", host_us(lambda: self.launch(grid, key, *args, **kw))))
-    run, function, prefix, consts = next(iter(self.kernels.values()))
-    values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    BoundLaunch.launch = real_launch
+    self, grid, varying = captured["launch"]  # the collectives' launch, bound to their state (jit.BoundLaunch)
+    rows.append(("  BoundLaunch.launch", host_us(lambda: self.launch(grid, *varying))))
+    rows.append(("  of which converting the varying arguments", host_us(lambda: self.values_and_spec(varying))))
+    run, function, prefix, consts = next(iter(self.entries.values()))
+    values = self.values_and_spec(varying)[0]
     stream = torch._C._cuda_getCurrentRawStream(0)
     g0 = grid[0]
     rows.append(("  C launch with the call's values" if len(prefix) > 4 else "  kernel.run with the call's values",
