@@ -13,7 +13,7 @@
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE); TEST_STOP="" runs on
 #          past a failure (default -x), TEST_FILES picks files; TEST_WORKERS=N runs N test files at a time
 #          (pytest-xdist: the suite is bound by Triton compiling each kernel in every rank; their ranks then
-#          share the GPUs); TEST_HEAP=1GiB gives the ranks the default GPU layout of the collectives (two
+#          share the GPUs); TEST_K: pytest's -k expression (TEST_FILES is split on spaces: no quoted -k there); TEST_HEAP=1GiB gives the ranks the default GPU layout of the collectives (two
 #          programs per SM; the tests' 64 MiB heaps get one)  -> $OUT/tests.log
 #   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths, torch's NVSHMEM all_to_all_vdev
 #          (torch_a2av: its own process) (needs 2+ GPUs; BENCH_RUNS: a ";"-separated subset, e.g.
@@ -29,6 +29,8 @@
 #          prints its state words (a hang's diagnosis) -> $OUT/sweep.log
 #   overlapprofile  tests/overlap_profile.py: GPU timeline of one fused ag_gemm / gemm_rs call (2+ GPUs)
 #          -> $OUT/overlap_profile.log
+#   llncu  ncu of the third low-latency dispatch and combine kernel at world 1 (tests/ll_probe.py --once; one GPU):
+#          duration, occupancy, warp stall reasons; the report and its SASS-level source page -> $OUT/ll_*.ncu-rep, *_sass.csv
 #   llworld  tests/ll_probe.py --default on every GPU (one rank each): low-latency dispatch / combine at world W, the send
 #          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
 #   dispatchworld  tests/dispatch_probe.py on every GPU (one rank each): normal dispatch / combine at world W, their
@@ -63,6 +65,15 @@ if has dispatchprobe; then  # each variant checked bit for bit against the first
     | grep -v "named symbol not found\|UserWarning\|_warn_once" | tee "$OUT/dispatch_probe.log"
   timeout "${LL_PROBE_TIMEOUT:-200}" python3 tests/ll_probe.py 2>&1 | grep -v "named symbol not found\|UserWarning\|_warn_once" \
     | tee "$OUT/ll_probe.log"
+fi
+
+if has llncu; then  # one low-latency dispatch and combine kernel of world 1 under ncu (where their latency goes)
+  for k in dispatch_kernel combine_kernel; do
+    timeout "${LL_NCU_TIMEOUT:-150}" ncu --clock-control none --set full --import-source yes -k "regex:$k" --launch-skip 2 \
+      --launch-count 1 -o "$OUT/ll_$k" python3 tests/ll_probe.py --once > "$OUT/ll_ncu_$k.log" 2>&1
+    ncu --import "$OUT/ll_$k.ncu-rep" --page details 2>&1 | grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|Warp Cycles Per Issued|Stall|One or More|No Eligible" | head -30
+    ncu --import "$OUT/ll_$k.ncu-rep" --page source --csv --print-source sass 2>/dev/null > "$OUT/ll_${k}_sass.csv" || true
+  done
 fi
 
 if has llworld && [ "$NGPU" -ge 2 ]; then
@@ -123,7 +134,7 @@ if has tests; then
   for transport in ${TRANSPORTS:-nvlink nvshmem}; do
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_HEAP_BYTES=${TEST_HEAP:-64MiB} TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout -s INT -k 30 "${TEST_TIMEOUT:-400}" \
-      python3 -m pytest -v ${TEST_STOP--x} -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" \
+      python3 -m pytest -v ${TEST_STOP--x} -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" ${TEST_K:+-k "$TEST_K"} \
       ${TEST_WORKERS:+-n $TEST_WORKERS --dist loadfile} ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_collective_state.py tests/test_dispatch.py \
       tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py tests/test_moe_layer.py} 2>&1 | tee -a "$OUT/tests.log" \
       | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -25
