@@ -40,12 +40,13 @@ def normal_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> 
     """Normal mode. rows/back_rows: [W, M, ROW bytes] (source s's token t at [s, t]); route/slot/weight:
     [W, M, K] (local expert id or -1, index of the pair among s's pairs for that expert, routing weight);
     back_w: [W, M, K] per-pair values returned to the source; notify: [W, E_l + 1] (s's token count and
-    pair counts for each local expert); sig: [5, W] int64 (notify, fwd ready/consumed, bwd ready/consumed)."""
+    pair counts for each local expert); blocks: [W, M] int64 (the call whose send block b of source s has
+    landed here, at [s, b]); sig: [4, W] int64 (notify, fwd consumed, bwd ready, bwd consumed)."""
     rb, e_local = row_bytes(H, dtype), E // W
     return {"rows": ((W, M, rb), torch.uint8), "back_rows": ((W, M, rb), torch.uint8),
             "route": ((W, M, K), torch.int32), "slot": ((W, M, K), torch.int32),
             "weight": ((W, M, K), torch.float32), "back_w": ((W, M, K), torch.float32),
-            "notify": ((W, e_local + 1), torch.int64), "sig": ((5, W), torch.int64)}
+            "notify": ((W, e_local + 1), torch.int64), "blocks": ((W, M), torch.int64), "sig": ((4, W), torch.int64)}
 
 
 def low_latency_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:

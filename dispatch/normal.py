@@ -12,11 +12,15 @@ dispatch is three launches and one host read:
 2. send (the same blocks): the slot of each pair (its index among this rank's pairs for that expert:
    earlier blocks' counts + its rank inside the block), then for every rank r: route/slot/weight of each
    token (-1 = no local expert) and, ONCE per token that has an expert on r, its row into r's
-   rows[me, t]. Stores go through symm_at(., r), r == me included. Last program: SET ready[me] = seq on r.
-3. expand (programs: received tokens, source by source from me + 1 on, as in combine_send): after ready[s]
-   (only the sources of the program's own tokens), the row of (s, t) is read once and written to
-   out[row_off[e, s] + slot] for each of its pairs here (local expert, then source, then token, then k).
-   Last program: SET consumed[me] = seq on every s.
+   rows[me, t]. Stores go through symm_at(., r), r == me included. Then the block's signal: SET
+   blocks[me, b] = seq on every rank r (release: the block's rows and meta land first).
+3. expand (persistent, G programs over chunks of received tokens in the order they land: token chunk k of
+   every source, sources from me + 1 on, then chunk k + 1...): once blocks[s, b] says the send blocks of a
+   chunk's tokens have landed, the row of (s, t) is read once and written to out[row_off[e, s] + slot] for
+   each of its pairs here (local expert, then source, then token, then k). Last program: SET consumed[me] =
+   seq on every s. On GPUs the forward dispatch launches it on the engine's side stream right after the
+   host sync, while the send still runs, so it trails the senders block by block (normal_engine.py says why
+   that is safe for the memory both streams touch, and why the two grids cannot starve each other).
 
 Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
 The host reads (R, N) after route (one D2H copy while send runs: the only sync) to size the output.
@@ -26,9 +30,9 @@ Combine (two launches, no host sync):
    y's dtype, stored once into source s's back_rows[me, t] (+ per-pair values).
 5. combine_recv (this rank's tokens): out[t] = sum over ranks r, in order, of back_rows[r, t] (fp32).
 
-A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r, and
-a receiver reads only after ready (released by the sender's last program, after all its programs'
-stores). Sums are mul-then-add in reference.py's order with FMA contraction off: bit-identical results.
+A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r; an
+expand program reads a send block only after its blocks word, and combine_recv only after ready (released
+by combine_send's last program, after all its programs' stores). Sums are mul-then-add in reference.py's order with FMA contraction off: bit-identical results.
 """
 from __future__ import annotations
 
@@ -51,18 +55,22 @@ _BIG = tl.constexpr(2 ** 63 - 1)
 class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program:
-    received (or own) tokens per expand / combine program."""
+    received (or own) tokens per expand chunk / combine program; expand_programs: the persistent expand's
+    grid (GPU: 2 per SM, so that the send's programs always find room beside it); expand_beside_send: the
+    forward expand runs on a side stream, trailing the send (False: after it, on the caller's stream)."""
 
     pairs_per_program: int = 128
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)
     block_h: int = 1024
     tokens_per_program: int = 1
     num_warps: int = 4
+    expand_programs: int = 1 << 30
+    expand_beside_send: bool = True
 
     @staticmethod
     def for_device(device: torch.device, hidden: int) -> "NormalConfig":
         if device.type == "cuda":
-            return NormalConfig()
+            return NormalConfig(expand_programs=2 * torch.cuda.get_device_properties(device).multi_processor_count)
         h = min(256, next_pow2(hidden))  # the interpreter: few programs, small tiles
         return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
 
@@ -211,7 +219,7 @@ def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W: 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
 def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr, route_ptr, slot_ptr, weight_ptr,
-                 ready_ptr, consumed_ptr, counter_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
+                 blocks_ptr, consumed_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
                  K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                  ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr):
@@ -225,16 +233,16 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
     _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
     if HAS_X2:
         _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
-    if last_program(counter_ptr):
-        signal_all(ready_ptr + me, seq, W)
+    tcl.fence()  # this thread's stores (rows and meta, to every rank) before the block's signal
+    signal_all(blocks_ptr + me.to(tl.int64) * M + b, seq, W)
 
 
 @triton.jit
 def _received(plan_ptr, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """This program's received tokens (flat index i, mask, source rank, token index there), taken source by
-    source from me + 1 on (me + 1, me + 2, ..., me): programs run about in order, so while every rank's
-    combine sends back to source me + k the destinations are a permutation of the ranks, not all of them
-    the same rank (whose links would take every rank's rows at once)."""
+    """This combine_send program's received tokens (flat index i, mask, source rank, token index there), taken
+    source by source from me + 1 on (me + 1, me + 2, ..., me): programs run about in order, so while every
+    rank's combine sends back to source me + k the destinations are a permutation of the ranks, not all of
+    them the same rank (whose links would take every rank's rows at once)."""
     tt = tl.arange(0, BLOCK_T)
     j = tl.program_id(0).to(tl.int64) * BT + tt  # place in the rotated order
     i_ok = (tt < BT) & (j < tl.load(plan_ptr + W))
@@ -250,6 +258,30 @@ def _received(plan_ptr, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
         t = tl.where(inside, j - before, t)
         before += count
     return tl.load(plan_ptr + src) + t, i_ok, src, t
+
+
+@triton.jit
+def _arriving(plan_ptr, c, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Received tokens of expand chunk c, in the order they land: chunk c holds tokens [k BT, (k + 1) BT) of
+    source s = (me + 1 + c % W) % W, k = c // W (every source sends its tokens about in order, all at once).
+    Returns flat index i (plan order), mask, source (vector), token index there."""
+    s = (me + 1 + c % W) % W
+    tt = tl.arange(0, BLOCK_T)
+    t = (c // W).to(tl.int64) * BT + tt
+    first = tl.load(plan_ptr + s)
+    i_ok = (tt < BT) & (t < tl.load(plan_ptr + s + 1) - first)
+    return first + t, i_ok, tl.zeros((BLOCK_T,), tl.int64) + s, t
+
+
+@triton.jit
+def _wait_sent(blocks_ptr, i_ok, src, t, seq, M, SEND_BT):
+    """Wait until the send blocks holding these tokens (one source) have landed here (blocks[s, b] >= seq)."""
+    if tl.max(i_ok.to(tl.int32), axis=0) > 0:
+        s = tl.max(tl.where(i_ok, src, 0), axis=0)
+        lo = tl.min(tl.where(i_ok, t, _BIG), axis=0) // SEND_BT
+        hi = tl.max(tl.where(i_ok, t, -1), axis=0) // SEND_BT
+        for b in range(lo, hi + 1):
+            tcl.wait(blocks_ptr + s * M + b, seq, tcl.CMP_GE)
 
 
 @triton.jit
@@ -269,31 +301,33 @@ def _expand_rows(src_ptr, dst_ptr, rows, src_row, H, K: tl.constexpr, BLOCK_K: t
 
 @tilecomm.jit(do_not_specialize=["seq"])
 def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, weight_ptr, out_w_ptr, token_rows_ptr,
-                   plan_ptr, ready_ptr, consumed_ptr, counter_ptr, seq, W, M, H, ROW, H2, ROW2,
+                   plan_ptr, blocks_ptr, consumed_ptr, counter_ptr, seq, W, M, H, ROW, H2, ROW2, SEND_BT,
                    K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr):
+    """Persistent: program g takes chunks g, g + G, ... in arrival order (_arriving), each once the send blocks
+    of its tokens have landed, so that the expand trails the senders' blocks."""
     me = tcl.rank()
-    i, i_ok, src, t = _received(plan_ptr, me, W, BT, BLOCK_T)
-    # wait only for the sources of this program's tokens (one on GPUs): the rows of a rank whose send is done
-    # are expanded while a slower rank's send still runs
+    most = tl.zeros((), tl.int64)  # the most tokens any source has: chunks past it are empty everywhere
     for r in range(0, W):
-        if tl.max((i_ok & (src == r)).to(tl.int32), axis=0) > 0:
-            tcl.wait(ready_ptr + r, seq, tcl.CMP_GE)
-    kk = tl.arange(0, BLOCK_K)
-    pm = i_ok[:, None] & (kk < K)[None, :]
-    if FROM_META:  # output row = first row of (expert, source) + the pair's slot
-        at = (src * M + t)[:, None] * K + kk[None, :]
-        el = tl.load(route_ptr + at, mask=pm, other=-1)
-        here = el >= 0
-        first = tl.load(plan_ptr + W + 1 + el * W + src[:, None], mask=here, other=0)
-        rows = tl.where(here, first + tl.load(slot_ptr + at, mask=here, other=0), -1)
-        tl.store(token_rows_ptr + i[:, None] * K + kk[None, :], rows.to(tl.int32), mask=pm)
-        tl.store(out_w_ptr + rows, tl.load(weight_ptr + at, mask=here), mask=here)
-    else:
-        rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=pm, other=-1).to(tl.int64)
-    _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, K, BLOCK_K, BLOCK_H)
-    if HAS_X2:
-        _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, K, BLOCK_K, BLOCK_H)
+        most = tl.maximum(most, tl.load(plan_ptr + r + 1) - tl.load(plan_ptr + r))
+    for c in range(tl.program_id(0), W * tl.cdiv(most, BT), tl.num_programs(0)):
+        i, i_ok, src, t = _arriving(plan_ptr, c, me, W, BT, BLOCK_T)
+        _wait_sent(blocks_ptr, i_ok, src, t, seq, M, SEND_BT)
+        kk = tl.arange(0, BLOCK_K)
+        pm = i_ok[:, None] & (kk < K)[None, :]
+        if FROM_META:  # output row = first row of (expert, source) + the pair's slot
+            at = (src * M + t)[:, None] * K + kk[None, :]
+            el = tl.load(route_ptr + at, mask=pm, other=-1)
+            here = el >= 0
+            first = tl.load(plan_ptr + W + 1 + el * W + src[:, None], mask=here, other=0)
+            rows = tl.where(here, first + tl.load(slot_ptr + at, mask=here, other=0), -1)
+            tl.store(token_rows_ptr + i[:, None] * K + kk[None, :], rows.to(tl.int32), mask=pm)
+            tl.store(out_w_ptr + rows, tl.load(weight_ptr + at, mask=here), mask=here)
+        else:
+            rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=pm, other=-1).to(tl.int64)
+        _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, K, BLOCK_K, BLOCK_H)
+        if HAS_X2:
+            _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, K, BLOCK_K, BLOCK_H)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)
 

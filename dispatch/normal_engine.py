@@ -36,7 +36,8 @@ class FusedPlan:
     num_recv_rows: int
 
 
-_SIG_NOTIFY, _SIG_FWD_READY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUMED = range(5)
+_SIG_NOTIFY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUMED = range(4)
+_CTR_ROUTE, _CTR_EXPAND, _CTR_COMBINE_SEND, _CTR_COMBINE_RECV = range(4)  # launch counters (last_program)
 _P2 = next_pow2
 
 
@@ -55,19 +56,23 @@ class FusedEngine:
         self.cuda = dev.type == "cuda"
         self.cfg = NormalConfig.for_device(dev, hidden)
         self.state = SymmetricState("Dispatcher(mode='normal')", normal_specs(W, num_experts, max_tokens, topk, hidden,
-                                                                              dtype), zeroed=("sig",))
+                                                                              dtype), zeroed=("sig", "blocks"))
         self.row_bytes = row_bytes(hidden, dtype)
         # route/send tokens per program (the interpreter on CPU ranks: fewer, larger programs)
         self.bt = max(1, min(16 if self.cuda else 64, self.cfg.pairs_per_program // _P2(topk)))
         self._counts = torch.zeros((cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
         self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
-        counters = torch.zeros(5, dtype=torch.int32, device=dev)
-        self._ctr = [counters[i:i + 1] for i in range(5)]
-        self._sig = [self.state.sig[i] for i in range(5)]
+        counters = torch.zeros(4, dtype=torch.int32, device=dev)
+        self._ctr = [counters[i:i + 1] for i in range(4)]
+        self._sig = [self.state.sig[i] for i in range(4)]
         self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
         self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
+        # the forward expand runs on this stream beside the send (normal.py, step 3); the event joins it back
+        beside = self.cuda and self.cfg.expand_beside_send
+        self._side = torch.cuda.Stream(dev) if beside else None
+        self._expanded = torch.cuda.Event() if beside else None
         self._dummies, self._typed_views = {}, {}
         self._bound: dict = {}  # (launch, key) -> BoundLaunch: the dispatch launches bound to these buffers
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
@@ -116,7 +121,7 @@ class FusedEngine:
         route = self._bound.get(("route", topk.dtype))
         if route is None:  # ROW_ENDS off: the experts get tokens_per_expert (plan's tail); varying: topk, plan, T, seq
             route = self._bound[("route", topk.dtype)] = self._route.bind(
-                topk.dtype, [topk_arg, self._counts, self._totals, self._minmax, self._ctr[0], self.state.notify,
+                topk.dtype, [topk_arg, self._counts, self._totals, self._minmax, self._ctr[_CTR_ROUTE], self.state.notify,
                              self._sig[_SIG_NOTIFY], plan, self._info, plan, T, self.seq[0], E, E_L, W], (0, 7, 9, 10, 11),
                 K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16, BLOCK_W=_P2(W),
                 BLOCK_EL=_P2(E_L), ROW_ENDS=False, num_warps=cfg.num_warps)
@@ -124,7 +129,10 @@ class FusedEngine:
         if self.cuda:
             self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()
-        self._send(x, x2, topk, topk_weights.float().contiguous())
+        # the send's inputs stay referenced until the expand is queued: the allocations below then cannot take
+        # memory the send (maybe still running) reads, which the expand, beside it, would write unordered
+        weights = topk_weights.float().contiguous()
+        self._send(x, x2, topk, weights)
         token_rows = torch.empty((W * self.M, K), dtype=torch.int32, device=x.device)  # >= N rows; made before the sync
         if self.cuda:
             self._event.synchronize()  # the one host sync: R and N size the outputs
@@ -133,7 +141,21 @@ class FusedEngine:
         out_w = torch.empty(R, dtype=torch.float32, device=x.device)
         out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)
         p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R)
-        self._expand(p, out, out_w, out2)
+        if self._side is None:
+            self._expand(p, out, out_w, out2)
+        else:
+            # Beside the send. Everything this stream queued before the send is done (the host just waited for
+            # the route behind it), so the expand can overlap only the send, whose inputs are still referenced
+            # (above). It reads a send block only once that block's signal says it landed. The two grids cannot
+            # starve each other: the expand takes at most 2 programs per SM and never holds up a send program,
+            # which waits for nothing of this call. The caller's stream waits for the expand (the event).
+            caller = torch.cuda.current_stream(x.device)
+            self._side.wait_event(self._event)  # the route and its copy (done): not the send, queued after them
+            with torch.cuda.stream(self._side):
+                self._expand(p, out, out_w, out2)
+                self._expanded.record()
+            caller.wait_event(self._expanded)
+        del weights
         if lo < -1 or hi >= E:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"dispatch: topk_idx values must be in [-1, {E}), got min {lo}, max {hi}")
         return out, out_w, out2, p
@@ -167,10 +189,10 @@ class FusedEngine:
             rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
         st, K = self.state, self.K
         full = [*args[:4], self._counts, self._typed("rows", x.dtype), self._or_dummy(rows2, torch.float32), st.route,
-                st.slot, st.weight, self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED], self._ctr[1], args[4],
-                args[5], self.E, self.E_L, self.W, self.M, x.shape[1], row, h2, row2]
+                st.slot, st.weight, st.blocks, self._sig[_SIG_FWD_CONSUMED], args[4], args[5], self.E, self.E_L,
+                self.W, self.M, x.shape[1], row, h2, row2]
         return self._send_k.bind(
-            key, full, (0, 1, 2, 3, 13, 14), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
+            key, full, (0, 1, 2, 3, 12, 13), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
             BLOCK_K=_P2(K), BLOCK_B=16, BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h,
             ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=not key[-1], HAS_X2=x2 is not None,
             num_warps=self.cfg.num_warps)
@@ -182,7 +204,9 @@ class FusedEngine:
         expand = self._bound.get(("expand", key))
         if expand is None:
             expand = self._bound[("expand", key)] = self._bind_expand(key, out, out2, args)
-        expand.launch((max(1, cdiv(p.num_recv_tokens, self.cfg.tokens_per_program)),), *args)
+        # persistent: at most expand_programs, no more than the chunks (at most N / tokens_per_program + W)
+        chunks = cdiv(p.num_recv_tokens, self.cfg.tokens_per_program) + self.W
+        expand.launch((max(1, min(chunks, self.cfg.expand_programs)),), *args)
 
     def _bind_expand(self, key, out, out2, args) -> BoundLaunch:
         """The expand launch of one key: varying are out, out2, out_w, token_rows, plan (args[:5]) and seq."""
@@ -194,8 +218,9 @@ class FusedEngine:
             rows2 = self._typed("rows", out2.dtype)[skip:]
             h2, row2 = out2.shape[1], self.row_bytes // out2.element_size()
         full = [self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), args[0], args[1], st.route,
-                st.slot, st.weight, args[2], args[3], args[4], self._sig[_SIG_FWD_READY], self._sig[_SIG_FWD_CONSUMED],
-                self._ctr[2], args[5], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2, row2]
+                st.slot, st.weight, args[2], args[3], args[4], st.blocks, self._sig[_SIG_FWD_CONSUMED],
+                self._ctr[_CTR_EXPAND], args[5], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2,
+                row2, self.bt]
         return self._expand_k.bind(
             key, full, (2, 3, 7, 8, 9, 13), K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
             FROM_META=not key[-1], HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
@@ -217,7 +242,7 @@ class FusedEngine:
         self._cs.launch(
             (max(1, cdiv(p.num_recv_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32), self._or_dummy(values, f32),
             self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w, self._sig[_SIG_BWD_READY],
-            self._sig[_SIG_BWD_CONSUMED], self._ctr[3], self.seq[2], self.W, self.M, self.H, row, K=K, BT=tpp,
+            self._sig[_SIG_BWD_CONSUMED], self._ctr[_CTR_COMBINE_SEND], self.seq[2], self.W, self.M, self.H, row, K=K, BT=tpp,
             BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, ALIGN=16 // back.element_size(),
             HAS_ROWS=y is not None, HAS_COEF=coef is not None, HAS_VALS=values is not None, ACC=acc,
             num_warps=self.cfg.num_warps, enable_fp_fusion=False)
@@ -225,7 +250,7 @@ class FusedEngine:
         vals = None if values is None else torch.empty((T, K), dtype=f32, device=dev)
         self._cr.launch(
             (max(1, cdiv(T, tpp)),), flags + (p.topk_idx.dtype,), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
-            self._or_dummy(vals, f32), self._sig[_SIG_BWD_READY], self._sig[_SIG_BWD_CONSUMED], self._ctr[4], T,
+            self._or_dummy(vals, f32), self._sig[_SIG_BWD_READY], self._sig[_SIG_BWD_CONSUMED], self._ctr[_CTR_COMBINE_RECV], T,
             self.seq[2], self.E, self.E_L, self.W, self.M, self.H, row, K=K, BT=tpp, BLOCK_T=_P2(tpp),
             BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
             num_warps=self.cfg.num_warps, enable_fp_fusion=False)
