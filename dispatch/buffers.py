@@ -41,12 +41,14 @@ def normal_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> 
     [W, M, K] (local expert id or -1, index of the pair among s's pairs for that expert, routing weight);
     back_w: [W, M, K] per-pair values returned to the source; notify: [W, E_l + 1] (s's token count and
     pair counts for each local expert); blocks: [W, M] int64 (the call whose send block b of source s has
-    landed here, at [s, b]); sig: [4, W] int64 (notify, fwd consumed, bwd ready, bwd consumed)."""
+    landed here, at [s, b]); back_blocks: [W, M] int64 on the source (the call whose combine rows of my block b
+    from rank r have landed, at [r, b]); sig: [3, W] int64 (notify, fwd consumed, bwd consumed)."""
     rb, e_local = row_bytes(H, dtype), E // W
     return {"rows": ((W, M, rb), torch.uint8), "back_rows": ((W, M, rb), torch.uint8),
             "route": ((W, M, K), torch.int32), "slot": ((W, M, K), torch.int32),
             "weight": ((W, M, K), torch.float32), "back_w": ((W, M, K), torch.float32),
-            "notify": ((W, e_local + 1), torch.int64), "blocks": ((W, M), torch.int64), "sig": ((4, W), torch.int64)}
+            "notify": ((W, e_local + 1), torch.int64), "blocks": ((W, M), torch.int64),
+            "back_blocks": ((W, M), torch.int64), "sig": ((3, W), torch.int64)}
 
 
 def low_latency_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:

@@ -25,14 +25,17 @@ dispatch is three launches and one host read:
 Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
 The host reads (R, N) after route (one D2H copy while send runs: the only sync) to size the output.
 Combine (two launches, no host sync):
-4. combine_send (received tokens, source by source from me + 1 on, so that the ranks send to different
-   ranks at a time): partial = sum_k coef * y[row] over the token's pairs here (fp32, k order), cast to
-   y's dtype, stored once into source s's back_rows[me, t] (+ per-pair values).
-5. combine_recv (this rank's tokens): out[t] = sum over ranks r, in order, of back_rows[r, t] (fp32).
+4. combine_send (received-token chunks in arrival order, as the expand takes them): partial = sum_k coef *
+   y[row] over the token's pairs here (fp32, k order), cast to y's dtype, stored once into source s's
+   back_rows[me, t] (+ per-pair values). The chunk that completes a block of s's tokens SETs
+   back_blocks[me, b] = seq on s.
+5. combine_recv (persistent over this rank's tokens, in order; on GPUs on the side stream beside
+   combine_send, trailing it): once the ranks holding a token's experts say its block has landed,
+   out[t] = sum over ranks r, in order, of back_rows[r, t] (fp32). Last program: SET consumed[me] on every r.
 
 A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r; an
-expand program reads a send block only after its blocks word, and combine_recv only after ready (released
-by combine_send's last program, after all its programs' stores). Sums are mul-then-add in reference.py's order with FMA contraction off: bit-identical results.
+expand program reads a send block only after its blocks word, and combine_recv a block only after its
+back_blocks word (each released after the stores it covers). Sums are mul-then-add in reference.py's order with FMA contraction off: bit-identical results.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ import tilecomm
 import tilecomm.language as tcl
 from tilecomm.jit import next_pow2
 
-from ._device import last_program, peer_offset, signal_all, wait_all
+from ._device import last_of, last_program, peer_offset, signal_all, wait_all
 
 _BIG = tl.constexpr(2 ** 63 - 1)
 
@@ -55,22 +58,23 @@ _BIG = tl.constexpr(2 ** 63 - 1)
 class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program:
-    received (or own) tokens per expand chunk / combine program; expand_programs: the persistent expand's
-    grid (GPU: 2 per SM, so that the send's programs always find room beside it); expand_beside_send: the
-    forward expand runs on a side stream, trailing the send (False: after it, on the caller's stream)."""
+    received (or own) tokens per expand / combine chunk; trailing_programs: the grid of the persistent kernels
+    that trail another (the expand trails the send, combine_recv trails combine_send; GPU: 2 per SM, so that
+    the programs they trail always find room beside them); trailing: those kernels run on a side stream,
+    beside the kernel they trail (False: after it, on the caller's stream)."""
 
     pairs_per_program: int = 128
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)
     block_h: int = 1024
     tokens_per_program: int = 1
     num_warps: int = 4
-    expand_programs: int = 1 << 30
-    expand_beside_send: bool = True
+    trailing_programs: int = 1 << 30
+    trailing: bool = True
 
     @staticmethod
     def for_device(device: torch.device, hidden: int) -> "NormalConfig":
         if device.type == "cuda":
-            return NormalConfig(expand_programs=2 * torch.cuda.get_device_properties(device).multi_processor_count)
+            return NormalConfig(trailing_programs=2 * torch.cuda.get_device_properties(device).multi_processor_count)
         h = min(256, next_pow2(hidden))  # the interpreter: few programs, small tiles
         return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
 
@@ -116,6 +120,7 @@ def _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, 
         tl.store(ends_ptr + el, tl.cumsum(per_e, axis=0).to(tl.int32), mask=em)
     tl.store(info_ptr, tl.sum(per_e, axis=0))
     tl.store(info_ptr + 1, n_tok)
+    tl.store(info_ptr + 4, tl.max(toks, axis=0))  # the most tokens of one source: the chunks in arrival order
 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
@@ -238,33 +243,12 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
 
 
 @triton.jit
-def _received(plan_ptr, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """This combine_send program's received tokens (flat index i, mask, source rank, token index there), taken
-    source by source from me + 1 on (me + 1, me + 2, ..., me): programs run about in order, so while every
-    rank's combine sends back to source me + k the destinations are a permutation of the ranks, not all of
-    them the same rank (whose links would take every rank's rows at once)."""
-    tt = tl.arange(0, BLOCK_T)
-    j = tl.program_id(0).to(tl.int64) * BT + tt  # place in the rotated order
-    i_ok = (tt < BT) & (j < tl.load(plan_ptr + W))
-    src = tl.zeros((BLOCK_T,), tl.int64)
-    t = tl.zeros((BLOCK_T,), tl.int64)
-    before = tl.zeros((), tl.int64)  # tokens of the sources earlier in the rotated order
-    for r in range(0, W):
-        s = (me + 1 + r) % W
-        first = tl.load(plan_ptr + s)
-        count = tl.load(plan_ptr + s + 1) - first
-        inside = (j >= before) & (j < before + count)
-        src = tl.where(inside, s, src)
-        t = tl.where(inside, j - before, t)
-        before += count
-    return tl.load(plan_ptr + src) + t, i_ok, src, t
-
-
-@triton.jit
 def _arriving(plan_ptr, c, me, W, BT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Received tokens of expand chunk c, in the order they land: chunk c holds tokens [k BT, (k + 1) BT) of
-    source s = (me + 1 + c % W) % W, k = c // W (every source sends its tokens about in order, all at once).
-    Returns flat index i (plan order), mask, source (vector), token index there."""
+    """Received tokens of chunk c (expand, combine_send), in the order they land: chunk c holds tokens
+    [k BT, (k + 1) BT) of source s = (me + 1 + c % W) % W, k = c // W. Every source sends its tokens about in
+    order, all at once, so a consumer can trail them; and at any moment the programs of one rank work for
+    every source alike (a rank does not store into one rank first: no incast). Returns flat index i (plan
+    order), mask, source (vector), token index there."""
     s = (me + 1 + c % W) % W
     tt = tl.arange(0, BLOCK_T)
     t = (c // W).to(tl.int64) * BT + tt
@@ -333,71 +317,85 @@ def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, 
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
-def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, back_ptr, back_w_ptr, ready_ptr,
-                         consumed_ptr, counter_ptr, seq, W, M, H, ROW, K: tl.constexpr, BT: tl.constexpr,
+def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, back_ptr, back_w_ptr, landed_ptr,
+                         done_ptr, consumed_ptr, seq, W, M, H, ROW, LAND_BT, K: tl.constexpr, BT: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
                          HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr):
+    """Program c: received-token chunk c in arrival order (_arriving). The chunk that completes block b (LAND_BT
+    tokens) of source s SETs back_blocks[me, b] = seq on s (done: this rank's per-block chunk counters)."""
     me = tcl.rank()
-    wait_all(consumed_ptr, seq - 1, W)
-    i, i_ok, src, t = _received(plan_ptr, me, W, BT, BLOCK_T)
-    kk = tl.arange(0, BLOCK_K)
-    rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=i_ok[:, None] & (kk < K)[None, :],
-                   other=-1).to(tl.int64)
-    has = tl.max((rows >= 0).to(tl.int32), axis=1) > 0
-    if HAS_ROWS:
-        dst_row = peer_offset(back_ptr, src, ALIGN) + (me.to(tl.int64) * M + t) * ROW
-        cols0 = tl.arange(0, BLOCK_H)
-        for h in range(0, H, BLOCK_H):
-            cols = h + cols0
-            cm = cols < H
-            acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
-            for k in tl.static_range(K):
-                row_k = tl.sum(tl.where(kk[None, :] == k, rows, 0), axis=1)  # rows[:, k]
-                rm = row_k >= 0
-                v = tl.load(y_ptr + row_k[:, None] * H + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(ACC)
-                if HAS_COEF:
-                    v = v * tl.load(coef_ptr + row_k, mask=rm, other=0.0).to(ACC)[:, None]
-                acc = acc + v
-            tl.store(back_ptr + dst_row[:, None] + cols[None, :], acc.to(back_ptr.dtype.element_ty),
-                     mask=has[:, None] & cm[None, :])
-    if HAS_VALS:
-        vals = tl.load(vals_ptr + rows, mask=rows >= 0, other=0.0)
-        at = peer_offset(back_w_ptr, src, 1) + (me.to(tl.int64) * M + t) * K
-        tl.store(back_w_ptr + at[:, None] + kk[None, :], vals, mask=has[:, None] & (kk < K)[None, :])
-    if last_program(counter_ptr):
-        signal_all(ready_ptr + me, seq, W)
+    i, i_ok, src, t = _arriving(plan_ptr, tl.program_id(0), me, W, BT, BLOCK_T)
+    if tl.max(i_ok.to(tl.int32), axis=0) > 0:  # (chunks past a source's tokens: nothing to send or count)
+        wait_all(consumed_ptr, seq - 1, W)  # every rank has summed the previous call's rows
+        kk = tl.arange(0, BLOCK_K)
+        rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=i_ok[:, None] & (kk < K)[None, :],
+                       other=-1).to(tl.int64)
+        has = tl.max((rows >= 0).to(tl.int32), axis=1) > 0
+        if HAS_ROWS:
+            dst_row = peer_offset(back_ptr, src, ALIGN) + (me.to(tl.int64) * M + t) * ROW
+            cols0 = tl.arange(0, BLOCK_H)
+            for h in range(0, H, BLOCK_H):
+                cols = h + cols0
+                cm = cols < H
+                acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
+                for k in tl.static_range(K):
+                    row_k = tl.sum(tl.where(kk[None, :] == k, rows, 0), axis=1)  # rows[:, k]
+                    rm = row_k >= 0
+                    v = tl.load(y_ptr + row_k[:, None] * H + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(ACC)
+                    if HAS_COEF:
+                        v = v * tl.load(coef_ptr + row_k, mask=rm, other=0.0).to(ACC)[:, None]
+                    acc = acc + v
+                tl.store(back_ptr + dst_row[:, None] + cols[None, :], acc.to(back_ptr.dtype.element_ty),
+                         mask=has[:, None] & cm[None, :])
+        if HAS_VALS:
+            vals = tl.load(vals_ptr + rows, mask=rows >= 0, other=0.0)
+            at = peer_offset(back_w_ptr, src, 1) + (me.to(tl.int64) * M + t) * K
+            tl.store(back_w_ptr + at[:, None] + kk[None, :], vals, mask=has[:, None] & (kk < K)[None, :])
+        s = tl.max(src, axis=0)
+        b = tl.min(tl.where(i_ok, t, _BIG), axis=0) // LAND_BT
+        n_s = tl.load(plan_ptr + s + 1) - tl.load(plan_ptr + s)
+        if last_of(done_ptr + s * M + b, tl.cdiv(tl.minimum(n_s, b * LAND_BT + LAND_BT) - b * LAND_BT, BT)):
+            tcl.signal(landed_ptr + me.to(tl.int64) * M + b, seq, s, tcl.SIGNAL_SET)
 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
-def _combine_recv_kernel(back_ptr, back_w_ptr, topk_ptr, out_ptr, vals_out_ptr, ready_ptr, consumed_ptr, counter_ptr,
-                         T, seq, E, E_L, W, M, H, ROW, K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr,
+def _combine_recv_kernel(back_ptr, back_w_ptr, topk_ptr, out_ptr, vals_out_ptr, landed_ptr, consumed_ptr, counter_ptr,
+                         T, seq, E, E_L, W, M, H, ROW, LAND_BT, K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr,
                          HAS_VALS: tl.constexpr, ACC: tl.constexpr):
+    """Persistent: program g sums chunks g, g + G, ... of this rank's tokens in order, each once the ranks
+    holding their experts say the rows of their blocks have landed (back_blocks[r, b]): it trails combine_send."""
     me = tcl.rank()
-    wait_all(ready_ptr, seq, W)
-    tt = tl.arange(0, BLOCK_T)
-    tok = tl.program_id(0).to(tl.int64) * BT + tt
-    tok_ok = (tt < BT) & (tok < T)
-    kk = tl.arange(0, BLOCK_K)
-    pm = tok_ok[:, None] & (kk < K)[None, :]
-    ids = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=pm, other=-1)
-    valid = (ids >= 0) & (ids < E)
-    owner = tl.where(valid, ids // E_L, -1)
-    if HAS_ROWS:
-        cols0 = tl.arange(0, BLOCK_H)
-        for h in range(0, H, BLOCK_H):
-            cols = h + cols0
-            cm = cols < H
-            acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
-            for r in range(0, W):
-                hit = tl.max((owner == r).to(tl.int32), axis=1) > 0
-                at = (r * M + tok) * ROW
-                acc = acc + tl.load(back_ptr + at[:, None] + cols[None, :], mask=hit[:, None] & cm[None, :],
-                                    other=0.0).to(ACC)
-            tl.store(out_ptr + tok[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=tok_ok[:, None] & cm[None, :])
-    if HAS_VALS:
-        vals = tl.load(back_w_ptr + (owner * M + tok[:, None]) * K + kk[None, :], mask=valid, other=0.0)
-        tl.store(vals_out_ptr + tok[:, None] * K + kk[None, :], vals, mask=pm)
+    for c in range(tl.program_id(0), tl.cdiv(T, BT), tl.num_programs(0)):
+        tt = tl.arange(0, BLOCK_T)
+        tok = (c * BT + tt).to(tl.int64)  # (c: an int in the interpreter)
+        tok_ok = (tt < BT) & (tok < T)
+        kk = tl.arange(0, BLOCK_K)
+        pm = tok_ok[:, None] & (kk < K)[None, :]
+        ids = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=pm, other=-1)
+        valid = (ids >= 0) & (ids < E)
+        owner = tl.where(valid, ids // E_L, -1)
+        lo = tl.min(tl.where(tok_ok, tok, _BIG), axis=0) // LAND_BT
+        hi = tl.max(tl.where(tok_ok, tok, -1), axis=0) // LAND_BT
+        for r in range(0, W):  # the ranks with rows for these tokens: their blocks have landed
+            if tl.sum((owner == r).to(tl.int32)) > 0:
+                for b in range(lo, hi + 1):
+                    tcl.wait(landed_ptr + r * M + b, seq, tcl.CMP_GE)
+        if HAS_ROWS:
+            cols0 = tl.arange(0, BLOCK_H)
+            for h in range(0, H, BLOCK_H):
+                cols = h + cols0
+                cm = cols < H
+                acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
+                for r in range(0, W):
+                    hit = tl.max((owner == r).to(tl.int32), axis=1) > 0
+                    at = (r * M + tok) * ROW
+                    acc = acc + tl.load(back_ptr + at[:, None] + cols[None, :], mask=hit[:, None] & cm[None, :],
+                                        other=0.0).to(ACC)
+                tl.store(out_ptr + tok[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=tok_ok[:, None] & cm[None, :])
+        if HAS_VALS:
+            vals = tl.load(back_w_ptr + (owner * M + tok[:, None]) * K + kk[None, :], mask=valid, other=0.0)
+            tl.store(vals_out_ptr + tok[:, None] * K + kk[None, :], vals, mask=pm)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)

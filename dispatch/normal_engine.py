@@ -25,7 +25,8 @@ class FusedPlan:
     topk_idx: [T, K] the caller's routing (kept, not copied); plan: [W + 1 + E_l * W + E_l] int64 on the
     device: first received token of each source then N, first output row of each (local expert, source),
     tokens per expert; token_rows: [>= N, K] int32 output row of each received pair (-1: expert elsewhere);
-    tokens_per_expert: [E_l] int64 view of plan; N received tokens (all sources), R output rows."""
+    tokens_per_expert: [E_l] int64 view of plan; N received tokens (all sources), R output rows; most_tokens: the
+    most tokens any source has (the arrival-order chunks: W per chunk of that many)."""
 
     topk_idx: torch.Tensor
     plan: torch.Tensor
@@ -34,10 +35,11 @@ class FusedPlan:
     num_tokens: int
     num_recv_tokens: int
     num_recv_rows: int
+    most_tokens: int
 
 
-_SIG_NOTIFY, _SIG_FWD_CONSUMED, _SIG_BWD_READY, _SIG_BWD_CONSUMED = range(4)
-_CTR_ROUTE, _CTR_EXPAND, _CTR_COMBINE_SEND, _CTR_COMBINE_RECV = range(4)  # launch counters (last_program)
+_SIG_NOTIFY, _SIG_FWD_CONSUMED, _SIG_BWD_CONSUMED = range(3)
+_CTR_ROUTE, _CTR_EXPAND, _CTR_COMBINE_RECV = range(3)  # launch counters (last_program)
 _P2 = next_pow2
 
 
@@ -56,23 +58,29 @@ class FusedEngine:
         self.cuda = dev.type == "cuda"
         self.cfg = NormalConfig.for_device(dev, hidden)
         self.state = SymmetricState("Dispatcher(mode='normal')", normal_specs(W, num_experts, max_tokens, topk, hidden,
-                                                                              dtype), zeroed=("sig", "blocks"))
+                                                                              dtype), zeroed=("sig", "blocks", "back_blocks"))
         self.row_bytes = row_bytes(hidden, dtype)
         # route/send tokens per program (the interpreter on CPU ranks: fewer, larger programs)
         self.bt = max(1, min(16 if self.cuda else 64, self.cfg.pairs_per_program // _P2(topk)))
         self._counts = torch.zeros((cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
         self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
-        counters = torch.zeros(4, dtype=torch.int32, device=dev)
-        self._ctr = [counters[i:i + 1] for i in range(4)]
-        self._sig = [self.state.sig[i] for i in range(4)]
-        self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
-        self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=self.cuda)
+        counters = torch.zeros(3, dtype=torch.int32, device=dev)
+        self._ctr = [counters[i:i + 1] for i in range(3)]
+        # combine_send's chunks done per (source, block of land_bt tokens), reset by the kernel; land_bt: a
+        # multiple of the chunk (a chunk never straddles two blocks)
+        tpp = self.cfg.tokens_per_program
+        self.land_bt = tpp * max(1, 16 // tpp)
+        self._done = torch.zeros((W, max_tokens), dtype=torch.int32, device=dev)
+        self._sig = [self.state.sig[i] for i in range(3)]
+        self._info = torch.zeros(5, dtype=torch.int64, device=dev)  # R, N, min id, max id, most tokens of a source
+        self._info_host = torch.zeros(5, dtype=torch.int64, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
-        # the forward expand runs on this stream beside the send (normal.py, step 3); the event joins it back
-        beside = self.cuda and self.cfg.expand_beside_send
-        self._side = torch.cuda.Stream(dev) if beside else None
-        self._expanded = torch.cuda.Event() if beside else None
+        # the forward expand and combine_recv run on this stream beside the kernel they trail (normal.py, steps 3
+        # and 5); _start: what combine_recv waits for on the caller's stream; _joined: the caller waits for it
+        trailing = self.cuda and self.cfg.trailing
+        self._side = torch.cuda.Stream(dev) if trailing else None
+        self._start, self._joined = (torch.cuda.Event(), torch.cuda.Event()) if trailing else (None, None)
         self._dummies, self._typed_views = {}, {}
         self._bound: dict = {}  # (launch, key) -> BoundLaunch: the dispatch launches bound to these buffers
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
@@ -136,11 +144,11 @@ class FusedEngine:
         token_rows = torch.empty((W * self.M, K), dtype=torch.int32, device=x.device)  # >= N rows; made before the sync
         if self.cuda:
             self._event.synchronize()  # the one host sync: R and N size the outputs
-        R, N, lo, hi = (self._info_host if self.cuda else self._info).tolist()
+        R, N, lo, hi, most = (self._info_host if self.cuda else self._info).tolist()
         out = torch.empty((R, x.shape[1]), dtype=x.dtype, device=x.device)
         out_w = torch.empty(R, dtype=torch.float32, device=x.device)
         out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)
-        p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R)
+        p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R, most)
         if self._side is None:
             self._expand(p, out, out_w, out2)
         else:
@@ -153,8 +161,8 @@ class FusedEngine:
             self._side.wait_event(self._event)  # the route and its copy (done): not the send, queued after them
             with torch.cuda.stream(self._side):
                 self._expand(p, out, out_w, out2)
-                self._expanded.record()
-            caller.wait_event(self._expanded)
+                self._joined.record()
+            caller.wait_event(self._joined)
         del weights
         if lo < -1 or hi >= E:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"dispatch: topk_idx values must be in [-1, {E}), got min {lo}, max {hi}")
@@ -204,9 +212,9 @@ class FusedEngine:
         expand = self._bound.get(("expand", key))
         if expand is None:
             expand = self._bound[("expand", key)] = self._bind_expand(key, out, out2, args)
-        # persistent: at most expand_programs, no more than the chunks (at most N / tokens_per_program + W)
-        chunks = cdiv(p.num_recv_tokens, self.cfg.tokens_per_program) + self.W
-        expand.launch((max(1, min(chunks, self.cfg.expand_programs)),), *args)
+        # persistent: at most trailing_programs, no more than the chunks
+        chunks = self.W * cdiv(p.most_tokens, self.cfg.tokens_per_program)
+        expand.launch((max(1, min(chunks, self.cfg.trailing_programs)),), *args)
 
     def _bind_expand(self, key, out, out2, args) -> BoundLaunch:
         """The expand launch of one key: varying are out, out2, out_w, token_rows, plan (args[:5]) and seq."""
@@ -239,19 +247,35 @@ class FusedEngine:
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         f32 = torch.float32
         flags = (dtype, y is None, coef is None, values is None)
+        if self._side is not None:
+            self._start.record()  # combine_recv, beside combine_send, comes after everything queued before it
         self._cs.launch(
-            (max(1, cdiv(p.num_recv_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32), self._or_dummy(values, f32),
-            self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w, self._sig[_SIG_BWD_READY],
-            self._sig[_SIG_BWD_CONSUMED], self._ctr[_CTR_COMBINE_SEND], self.seq[2], self.W, self.M, self.H, row, K=K, BT=tpp,
-            BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, ALIGN=16 // back.element_size(),
-            HAS_ROWS=y is not None, HAS_COEF=coef is not None, HAS_VALS=values is not None, ACC=acc,
-            num_warps=self.cfg.num_warps, enable_fp_fusion=False)
+            (max(1, self.W * cdiv(p.most_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32),
+            self._or_dummy(values, f32), self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w,
+            st.back_blocks, self._done, self._sig[_SIG_BWD_CONSUMED], self.seq[2], self.W, self.M, self.H, row,
+            self.land_bt, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
+            ALIGN=16 // back.element_size(), HAS_ROWS=y is not None, HAS_COEF=coef is not None,
+            HAS_VALS=values is not None, ACC=acc, num_warps=self.cfg.num_warps, enable_fp_fusion=False)
+        # made while combine_send's inputs (y, coef, values, p) are referenced: no memory it still reads
         out = None if y is None else torch.empty((T, self.H), dtype=dtype, device=dev)
         vals = None if values is None else torch.empty((T, K), dtype=f32, device=dev)
-        self._cr.launch(
-            (max(1, cdiv(T, tpp)),), flags + (p.topk_idx.dtype,), back, st.back_w, self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype),
-            self._or_dummy(vals, f32), self._sig[_SIG_BWD_READY], self._sig[_SIG_BWD_CONSUMED], self._ctr[_CTR_COMBINE_RECV], T,
-            self.seq[2], self.E, self.E_L, self.W, self.M, self.H, row, K=K, BT=tpp, BLOCK_T=_P2(tpp),
-            BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
-            num_warps=self.cfg.num_warps, enable_fp_fusion=False)
+
+        def recv() -> None:
+            self._cr.launch(
+                (max(1, min(cdiv(T, tpp), self.cfg.trailing_programs)),), flags + (p.topk_idx.dtype,), back, st.back_w,
+                self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype), self._or_dummy(vals, f32),
+                st.back_blocks, self._sig[_SIG_BWD_CONSUMED], self._ctr[_CTR_COMBINE_RECV], T, self.seq[2], self.E,
+                self.E_L, self.W, self.M, self.H, row, self.land_bt, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K),
+                BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
+                num_warps=self.cfg.num_warps, enable_fp_fusion=False)
+
+        if self._side is None:
+            recv()
+        else:  # beside combine_send (as the forward expand beside the send: see dispatch)
+            caller = torch.cuda.current_stream(dev)
+            self._side.wait_event(self._start)
+            with torch.cuda.stream(self._side):
+                recv()
+                self._joined.record()
+            caller.wait_event(self._joined)
         return out, vals

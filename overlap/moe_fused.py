@@ -139,8 +139,8 @@ class FusedMoEWorkspace:
         # scatter: items done per row tile (at most W * M * K rows received), reset by the kernel after each launch
         self._row_tiles_done = torch.zeros(cdiv(W * max_tokens_per_rank * topk, self.cfg.scatter.tiles.BLOCK_M)
                                            + self.num_local_experts + 1, dtype=torch.int32, device=dev)
-        self._info = torch.zeros(4, dtype=torch.int64, device=dev)  # R, N, min id, max id
-        self._info_host = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._info = torch.zeros(5, dtype=torch.int64, device=dev)  # R, N, min id, max id, most tokens of a source
+        self._info_host = torch.zeros(5, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._event = torch.cuda.Event() if dev.type == "cuda" else None
         self._dummies: dict = {}
         # the kernels' launchers: after a configuration's first launch, no Triton argument binding per call
@@ -198,7 +198,7 @@ class FusedMoEWorkspace:
         """(R, min id, max id) of the last route: the one host sync."""
         if self._event is not None:
             self._event.synchronize()
-        R, _, lo, hi = (self._info_host if self._event is not None else self._info).tolist()
+        R, _, lo, hi, _ = (self._info_host if self._event is not None else self._info).tolist()
         return R, lo, hi
 
     def _send(self, x, topk, weights, slots) -> None:
