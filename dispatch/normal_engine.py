@@ -77,9 +77,11 @@ class FusedEngine:
         self._info_host = torch.zeros(5, dtype=torch.int64, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
         # the forward expand and combine_recv run on this stream beside the kernel they trail (normal.py, steps 3
-        # and 5); _start: what combine_recv waits for on the caller's stream; _joined: the caller waits for it
+        # and 5); _start: what combine_recv waits for on the caller's stream; _joined: the caller waits for it.
+        # High priority: as programs of the trailed kernel end, the SMs take the trailing kernel's (at most 2 per
+        # SM) before more of the trailed one's, so it runs beside it rather than after its last wave
         trailing = self.cuda and self.cfg.trailing
-        self._side = torch.cuda.Stream(dev) if trailing else None
+        self._side = torch.cuda.Stream(dev, priority=-1) if trailing else None
         self._start, self._joined = (torch.cuda.Event(), torch.cuda.Event()) if trailing else (None, None)
         self._dummies, self._typed_views = {}, {}
         self._bound: dict = {}  # (launch, key) -> BoundLaunch: the dispatch launches bound to these buffers
