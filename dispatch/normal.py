@@ -59,9 +59,9 @@ class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program:
     received (or own) tokens per expand / combine chunk; trailing_programs: the grid of the persistent kernels
-    that trail another (the expand trails the send, combine_recv trails combine_send; GPU: 2 per SM, so that
-    the programs they trail always find room beside them); trailing: those kernels run on a side stream,
-    beside the kernel they trail (False: after it, on the caller's stream)."""
+    that trail another (the expand trails the send, combine_recv trails combine_send; GPU: twice the SMs, so
+    that the programs they trail always find room beside them: normal_engine.py); trailing: those kernels run
+    on a side stream, beside the kernel they trail (False: after it, on the caller's stream)."""
 
     pairs_per_program: int = 128
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)

@@ -78,8 +78,8 @@ class FusedEngine:
         self._event = torch.cuda.Event() if self.cuda else None
         # the forward expand and combine_recv run on this stream beside the kernel they trail (normal.py, steps 3
         # and 5); _start: what combine_recv waits for on the caller's stream; _joined: the caller waits for it.
-        # High priority: as programs of the trailed kernel end, the SMs take the trailing kernel's (at most 2 per
-        # SM) before more of the trailed one's, so it runs beside it rather than after its last wave
+        # High priority: as programs of the trailed kernel end, the SMs take the trailing kernel's before more of
+        # the trailed one's, so it runs beside it rather than after its last wave
         trailing = self.cuda and self.cfg.trailing
         self._side = torch.cuda.Stream(dev, priority=-1) if trailing else None
         self._start, self._joined = (torch.cuda.Event(), torch.cuda.Event()) if trailing else (None, None)
@@ -156,9 +156,12 @@ class FusedEngine:
         else:
             # Beside the send. Everything this stream queued before the send is done (the host just waited for
             # the route behind it), so the expand can overlap only the send, whose inputs are still referenced
-            # (above). It reads a send block only once that block's signal says it landed. The two grids cannot
-            # starve each other: the expand takes at most 2 programs per SM and never holds up a send program,
-            # which waits for nothing of this call. The caller's stream waits for the expand (the event).
+            # (above). It reads a send block only once that block's signal says it landed. The expand cannot starve
+            # the send, whose programs wait for nothing of this call: its 2 x SMs programs (72 registers a thread
+            # on sm_90; the send's at most 255) fill at most a quarter of the GPU's registers, so at most a
+            # quarter of the SMs hold 4 or more of them, and every other SM has room for a send program. (The
+            # same count holds for combine_recv, 44 registers, beside combine_send.) The caller's stream waits
+            # for the expand (the event).
             caller = torch.cuda.current_stream(x.device)
             self._side.wait_event(self._event)  # the route and its copy (done): not the send, queued after them
             with torch.cuda.stream(self._side):
