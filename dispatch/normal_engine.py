@@ -157,9 +157,9 @@ class FusedEngine:
             # Beside the send. Everything this stream queued before the send is done (the host just waited for
             # the route behind it), so the expand can overlap only the send, whose inputs are still referenced
             # (above). It reads a send block only once that block's signal says it landed. The expand cannot starve
-            # the send, whose programs wait for nothing of this call: its 2 x SMs programs (72 registers a thread
-            # on sm_90; the send's at most 255) fill at most a quarter of the GPU's registers, so at most a
-            # quarter of the SMs hold 4 or more of them, and every other SM has room for a send program. (The
+            # the send, whose programs wait for nothing of this call: of its 2 x SMs programs (4 warps, 72
+            # registers a thread on sm_90: 9K of an SM's 64K) at most half the SMs can hold 4 or more, and on
+            # every other SM three leave room for a send program (4 warps, at most 255 registers: 32K). (The
             # same count holds for combine_recv, 44 registers, beside combine_send.) The caller's stream waits
             # for the expand (the event).
             caller = torch.cuda.current_stream(x.device)
