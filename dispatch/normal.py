@@ -35,7 +35,8 @@ Combine (two launches, no host sync):
 
 A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r; an
 expand program reads a send block only after its blocks word, and combine_recv a block only after its
-back_blocks word (each released after the stores it covers). Sums are mul-then-add in reference.py's order with FMA contraction off: bit-identical results.
+back_blocks word (each released after the stores it covers). Sums are mul-then-add in reference.py's order
+with FMA contraction off: bit-identical results.
 """
 from __future__ import annotations
 
