@@ -151,27 +151,35 @@ class FusedEngine:
         out_w = torch.empty(R, dtype=torch.float32, device=x.device)
         out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)
         p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R, most)
-        if self._side is None:
-            self._expand(p, out, out_w, out2)
-        else:
-            # Beside the send. Everything this stream queued before the send is done (the host just waited for
-            # the route behind it), so the expand can overlap only the send, whose inputs are still referenced
-            # (above). It reads a send block only once that block's signal says it landed. The expand cannot starve
-            # the send, whose programs wait for nothing of this call: of its 2 x SMs programs (4 warps, 72
-            # registers a thread on sm_90: 9K of an SM's 64K) at most half the SMs can hold 4 or more, and on
-            # every other SM three leave room for a send program (4 warps, at most 255 registers: 32K). (The
-            # same count holds for combine_recv, 44 registers, beside combine_send.) The caller's stream waits
-            # for the expand (the event).
-            caller = torch.cuda.current_stream(x.device)
-            self._side.wait_event(self._event)  # the route and its copy (done): not the send, queued after them
-            with torch.cuda.stream(self._side):
-                self._expand(p, out, out_w, out2)
-                self._joined.record()
-            caller.wait_event(self._joined)
+        # beside the send: after the route and its copy (done), not the send, queued after them
+        self._trail(self._event, lambda: self._expand(p, out, out_w, out2))
         del weights
         if lo < -1 or hi >= E:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"dispatch: topk_idx values must be in [-1, {E}), got min {lo}, max {hi}")
         return out, out_w, out2, p
+
+    def _trail(self, after, launch) -> None:
+        """Queue `launch` (a trailing kernel: the expand, combine_recv) on the side stream after the caller's
+        event `after`, beside what the caller queued since; the caller's stream then waits for it. CPU ranks
+        or trailing off: on the caller's stream.
+
+        Beside the kernel it trails (the send, combine_send), which is all it can overlap: everything queued
+        before that kernel is ordered before `after`, and the callers keep that kernel's inputs referenced
+        until this is queued, so the outputs allocated meanwhile hold no memory it still reads. It reads a
+        block only once that block's signal says it landed. It cannot starve the kernel it trails, whose
+        programs wait for nothing of this call: of its 2 x SMs programs (4 warps; on sm_90 the expand takes 72
+        registers a thread, 9K of an SM's 64K, combine_recv 44) at most half the SMs can hold 4 or more, and on
+        every other SM three leave room for a program of the trailed kernel (4 warps, at most 255 registers:
+        32K)."""
+        if self._side is None:
+            launch()
+            return
+        caller = torch.cuda.current_stream(self._side.device)
+        self._side.wait_event(after)
+        with torch.cuda.stream(self._side):
+            launch()
+            self._joined.record()
+        caller.wait_event(self._joined)
 
     def redispatch(self, p: FusedPlan, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [R, H] with p's routing (no host sync)."""
@@ -274,13 +282,5 @@ class FusedEngine:
                 BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
                 num_warps=self.cfg.num_warps, enable_fp_fusion=False)
 
-        if self._side is None:
-            recv()
-        else:  # beside combine_send (as the forward expand beside the send: see dispatch)
-            caller = torch.cuda.current_stream(dev)
-            self._side.wait_event(self._start)
-            with torch.cuda.stream(self._side):
-                recv()
-                self._joined.record()
-            caller.wait_event(self._joined)
+        self._trail(self._start, recv)  # beside combine_send
         return out, vals
