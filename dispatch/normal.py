@@ -14,13 +14,14 @@ dispatch is three launches and one host read:
    token (-1 = no local expert) and, ONCE per token that has an expert on r, its row into r's
    rows[me, t]. Stores go through symm_at(., r), r == me included. Then the block's signal: SET
    blocks[me, b] = seq on every rank r (release: the block's rows and meta land first).
-3. expand (persistent, G programs over chunks of received tokens in the order they land: token chunk k of
-   every source, sources from me + 1 on, then chunk k + 1...): once blocks[s, b] says the send blocks of a
-   chunk's tokens have landed, the row of (s, t) is read once and written to out[row_off[e, s] + slot] for
-   each of its pairs here (local expert, then source, then token, then k). Last program: SET consumed[me] =
-   seq on every s. On GPUs the forward dispatch launches it on the engine's side stream right after the
-   host sync, while the send still runs, so it trails the senders block by block (normal_engine.py says why
-   that is safe for the memory both streams touch, and why the two grids cannot starve each other).
+3. expand (programs: chunks of received tokens in the order they land: token chunk k of every source,
+   sources from me + 1 on, then chunk k + 1...): once blocks[s, b] says the send blocks of a chunk's tokens
+   have landed, the row of (s, t) is read once and written to out[row_off[e, s] + slot] for each of its
+   pairs here (local expert, then source, then token, then k). Last program: SET consumed[me] = seq on
+   every s. On sm_90 GPUs it is launched right after the host sync as a programmatic dependent of the send
+   (PDL): its programs take SM slots as soon as every send program has started (none can then be kept from
+   running by an expand program waiting for it) and trail the senders block by block; its last program
+   waits for the send grid to end, so what follows on the stream is ordered after both.
 
 Kernels here; the host side (FusedEngine: buffers, launches, FusedPlan) is in normal_engine.py.
 The host reads (R, N) after route (one D2H copy while send runs: the only sync) to size the output.
@@ -29,9 +30,10 @@ Combine (two launches, no host sync):
    y[row] over the token's pairs here (fp32, k order), cast to y's dtype, stored once into source s's
    back_rows[me, t] (+ per-pair values). The chunk that completes a block of s's tokens SETs
    back_blocks[me, b] = seq on s.
-5. combine_recv (persistent over this rank's tokens, in order; on GPUs on the side stream beside
-   combine_send, trailing it): once the ranks holding a token's experts say its block has landed,
-   out[t] = sum over ranks r, in order, of back_rows[r, t] (fp32). Last program: SET consumed[me] on every r.
+5. combine_recv (programs: chunks of this rank's tokens; on sm_90 GPUs a programmatic dependent of
+   combine_send, as the expand is of the send): once the ranks holding a token's experts say its block has
+   landed, out[t] = sum over ranks r, in order, of back_rows[r, t] (fp32). Last program: SET consumed[me]
+   on every r.
 
 A sender waits for consumed[r] >= seq - 1 (r has read the previous call) before it writes into r; an
 expand program reads a send block only after its blocks word, and combine_recv a block only after its
@@ -59,25 +61,24 @@ _BIG = tl.constexpr(2 ** 63 - 1)
 class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program:
-    received (or own) tokens per expand / combine chunk; trailing_programs: the grid of the persistent kernels
-    that trail another (the expand trails the send, combine_recv trails combine_send; GPU: twice the SMs, so
-    that the programs they trail always find room beside them: normal_engine.py); trailing: those kernels run
-    on a side stream, beside the kernel they trail (False: after it, on the caller's stream)."""
+    received (or own) tokens per expand / combine chunk; trailing (GPUs of sm_90 on): the expand and
+    combine_recv launch as programmatic dependents of the send / combine_send (PDL): their programs may take
+    SM slots once every program of the kernel they trail has started, and wait per block (False: after it)."""
 
     pairs_per_program: int = 128
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)
     block_h: int = 1024
     tokens_per_program: int = 1
     num_warps: int = 4
-    trailing_programs: int = 1 << 30
     trailing: bool = True
 
     @staticmethod
     def for_device(device: torch.device, hidden: int) -> "NormalConfig":
         if device.type == "cuda":
-            return NormalConfig(trailing_programs=2 * torch.cuda.get_device_properties(device).multi_processor_count)
+            return NormalConfig()
         h = min(256, next_pow2(hidden))  # the interpreter: few programs, small tiles
-        return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
+        return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1,
+                            trailing=False)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -228,7 +229,9 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
                  blocks_ptr, consumed_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
                  K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                 ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr):
+                 ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the expand, launched as its dependent, may start once every program of this grid has
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     me = tcl.rank()
     wait_all(consumed_ptr, seq - 1, W)  # every rank has read my previous call's rows
@@ -288,42 +291,42 @@ def _expand_rows(src_ptr, dst_ptr, rows, src_row, H, K: tl.constexpr, BLOCK_K: t
 def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, weight_ptr, out_w_ptr, token_rows_ptr,
                    plan_ptr, blocks_ptr, consumed_ptr, counter_ptr, seq, W, M, H, ROW, H2, ROW2, SEND_BT,
                    K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr):
-    """Persistent: program g takes chunks g, g + G, ... in arrival order (_arriving), each once the send blocks
-    of its tokens have landed, so that the expand trails the senders' blocks."""
+                   BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr):
+    """Program c: chunk c in arrival order (_arriving), once the send blocks of its tokens have landed."""
     me = tcl.rank()
-    most = tl.zeros((), tl.int64)  # the most tokens any source has: chunks past it are empty everywhere
-    for r in range(0, W):
-        most = tl.maximum(most, tl.load(plan_ptr + r + 1) - tl.load(plan_ptr + r))
-    for c in range(tl.program_id(0), W * tl.cdiv(most, BT), tl.num_programs(0)):
-        i, i_ok, src, t = _arriving(plan_ptr, c, me, W, BT, BLOCK_T)
-        _wait_sent(blocks_ptr, i_ok, src, t, seq, M, SEND_BT)
-        kk = tl.arange(0, BLOCK_K)
-        pm = i_ok[:, None] & (kk < K)[None, :]
-        if FROM_META:  # output row = first row of (expert, source) + the pair's slot
-            at = (src * M + t)[:, None] * K + kk[None, :]
-            el = tl.load(route_ptr + at, mask=pm, other=-1)
-            here = el >= 0
-            first = tl.load(plan_ptr + W + 1 + el * W + src[:, None], mask=here, other=0)
-            rows = tl.where(here, first + tl.load(slot_ptr + at, mask=here, other=0), -1)
-            tl.store(token_rows_ptr + i[:, None] * K + kk[None, :], rows.to(tl.int32), mask=pm)
-            tl.store(out_w_ptr + rows, tl.load(weight_ptr + at, mask=here), mask=here)
-        else:
-            rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=pm, other=-1).to(tl.int64)
-        _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, K, BLOCK_K, BLOCK_H)
-        if HAS_X2:
-            _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, K, BLOCK_K, BLOCK_H)
+    i, i_ok, src, t = _arriving(plan_ptr, tl.program_id(0), me, W, BT, BLOCK_T)
+    _wait_sent(blocks_ptr, i_ok, src, t, seq, M, SEND_BT)
+    kk = tl.arange(0, BLOCK_K)
+    pm = i_ok[:, None] & (kk < K)[None, :]
+    if FROM_META:  # output row = first row of (expert, source) + the pair's slot
+        at = (src * M + t)[:, None] * K + kk[None, :]
+        el = tl.load(route_ptr + at, mask=pm, other=-1)
+        here = el >= 0
+        first = tl.load(plan_ptr + W + 1 + el * W + src[:, None], mask=here, other=0)
+        rows = tl.where(here, first + tl.load(slot_ptr + at, mask=here, other=0), -1)
+        tl.store(token_rows_ptr + i[:, None] * K + kk[None, :], rows.to(tl.int32), mask=pm)
+        tl.store(out_w_ptr + rows, tl.load(weight_ptr + at, mask=here), mask=here)
+    else:
+        rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=pm, other=-1).to(tl.int64)
+    _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, K, BLOCK_K, BLOCK_H)
+    if HAS_X2:
+        _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, K, BLOCK_K, BLOCK_H)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)
+        if PDL:  # this grid ends after the send's: what follows on the stream is ordered after both
+            tl.extra.cuda.gdc_wait()
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
 def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, back_ptr, back_w_ptr, landed_ptr,
                          done_ptr, consumed_ptr, seq, W, M, H, ROW, LAND_BT, K: tl.constexpr, BT: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                         HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr):
+                         HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program c: received-token chunk c in arrival order (_arriving). The chunk that completes block b (LAND_BT
     tokens) of source s SETs back_blocks[me, b] = seq on s (done: this rank's per-block chunk counters)."""
+    if PDL:  # combine_recv, launched as its dependent, may start once every program of this grid has
+        tl.extra.cuda.gdc_launch_dependents()
     me = tcl.rank()
     i, i_ok, src, t = _arriving(plan_ptr, tl.program_id(0), me, W, BT, BLOCK_T)
     if tl.max(i_ok.to(tl.int32), axis=0) > 0:  # (chunks past a source's tokens: nothing to send or count)
@@ -363,40 +366,41 @@ def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, ba
 def _combine_recv_kernel(back_ptr, back_w_ptr, topk_ptr, out_ptr, vals_out_ptr, landed_ptr, consumed_ptr, counter_ptr,
                          T, seq, E, E_L, W, M, H, ROW, LAND_BT, K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr,
-                         HAS_VALS: tl.constexpr, ACC: tl.constexpr):
-    """Persistent: program g sums chunks g, g + G, ... of this rank's tokens in order, each once the ranks
-    holding their experts say the rows of their blocks have landed (back_blocks[r, b]): it trails combine_send."""
+                         HAS_VALS: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr):
+    """Program c: this rank's tokens [c BT, (c + 1) BT), once the ranks holding their experts say the rows of
+    their blocks have landed (back_blocks[r, b])."""
     me = tcl.rank()
-    for c in range(tl.program_id(0), tl.cdiv(T, BT), tl.num_programs(0)):
-        tt = tl.arange(0, BLOCK_T)
-        tok = (c * BT + tt).to(tl.int64)  # (c: an int in the interpreter)
-        tok_ok = (tt < BT) & (tok < T)
-        kk = tl.arange(0, BLOCK_K)
-        pm = tok_ok[:, None] & (kk < K)[None, :]
-        ids = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=pm, other=-1)
-        valid = (ids >= 0) & (ids < E)
-        owner = tl.where(valid, ids // E_L, -1)
-        lo = tl.min(tl.where(tok_ok, tok, _BIG), axis=0) // LAND_BT
-        hi = tl.max(tl.where(tok_ok, tok, -1), axis=0) // LAND_BT
-        for r in range(0, W):  # the ranks with rows for these tokens: their blocks have landed
-            if tl.sum((owner == r).to(tl.int32)) > 0:
-                for b in range(lo, hi + 1):
-                    tcl.wait(landed_ptr + r * M + b, seq, tcl.CMP_GE)
-        if HAS_ROWS:
-            cols0 = tl.arange(0, BLOCK_H)
-            for h in range(0, H, BLOCK_H):
-                cols = h + cols0
-                cm = cols < H
-                acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
-                for r in range(0, W):
-                    hit = tl.max((owner == r).to(tl.int32), axis=1) > 0
-                    at = (r * M + tok) * ROW
-                    acc = acc + tl.load(back_ptr + at[:, None] + cols[None, :], mask=hit[:, None] & cm[None, :],
-                                        other=0.0).to(ACC)
-                tl.store(out_ptr + tok[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                         mask=tok_ok[:, None] & cm[None, :])
-        if HAS_VALS:
-            vals = tl.load(back_w_ptr + (owner * M + tok[:, None]) * K + kk[None, :], mask=valid, other=0.0)
-            tl.store(vals_out_ptr + tok[:, None] * K + kk[None, :], vals, mask=pm)
+    tt = tl.arange(0, BLOCK_T)
+    tok = tl.program_id(0).to(tl.int64) * BT + tt
+    tok_ok = (tt < BT) & (tok < T)
+    kk = tl.arange(0, BLOCK_K)
+    pm = tok_ok[:, None] & (kk < K)[None, :]
+    ids = tl.load(topk_ptr + tok[:, None] * K + kk[None, :], mask=pm, other=-1)
+    valid = (ids >= 0) & (ids < E)
+    owner = tl.where(valid, ids // E_L, -1)
+    lo = tl.min(tl.where(tok_ok, tok, _BIG), axis=0) // LAND_BT
+    hi = tl.max(tl.where(tok_ok, tok, -1), axis=0) // LAND_BT
+    for r in range(0, W):  # the ranks with rows for these tokens: their blocks have landed
+        if tl.sum((owner == r).to(tl.int32)) > 0:
+            for b in range(lo, hi + 1):
+                tcl.wait(landed_ptr + r * M + b, seq, tcl.CMP_GE)
+    if HAS_ROWS:
+        cols0 = tl.arange(0, BLOCK_H)
+        for h in range(0, H, BLOCK_H):
+            cols = h + cols0
+            cm = cols < H
+            acc = tl.zeros((BLOCK_T, BLOCK_H), ACC)
+            for r in range(0, W):
+                hit = tl.max((owner == r).to(tl.int32), axis=1) > 0
+                at = (r * M + tok) * ROW
+                acc = acc + tl.load(back_ptr + at[:, None] + cols[None, :], mask=hit[:, None] & cm[None, :],
+                                    other=0.0).to(ACC)
+            tl.store(out_ptr + tok[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=tok_ok[:, None] & cm[None, :])
+    if HAS_VALS:
+        vals = tl.load(back_w_ptr + (owner * M + tok[:, None]) * K + kk[None, :], mask=valid, other=0.0)
+        tl.store(vals_out_ptr + tok[:, None] * K + kk[None, :], vals, mask=pm)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)
+        if PDL:  # this grid ends after combine_send's: what follows on the stream is ordered after both
+            tl.extra.cuda.gdc_wait()

@@ -76,13 +76,10 @@ class FusedEngine:
         self._info = torch.zeros(5, dtype=torch.int64, device=dev)  # R, N, min id, max id, most tokens of a source
         self._info_host = torch.zeros(5, dtype=torch.int64, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
-        # the forward expand and combine_recv run on this stream beside the kernel they trail (normal.py, steps 3
-        # and 5); _start: what combine_recv waits for on the caller's stream; _joined: the caller waits for it.
-        # High priority: as programs of the trailed kernel end, the SMs take the trailing kernel's before more of
-        # the trailed one's, so it runs beside it rather than after its last wave
-        trailing = self.cuda and self.cfg.trailing
-        self._side = torch.cuda.Stream(dev, priority=-1) if trailing else None
-        self._start, self._joined = (torch.cuda.Event(), torch.cuda.Event()) if trailing else (None, None)
+        # the expand and combine_recv launch as programmatic dependents of the send / combine_send (normal.py,
+        # steps 3 and 5): sm_90 GPUs, config.trailing
+        self.pdl = self.cuda and self.cfg.trailing and torch.cuda.get_device_capability(dev)[0] >= 9
+        self._pdl_launch = {"launch_pdl": True} if self.pdl else {}
         self._dummies, self._typed_views = {}, {}
         self._bound: dict = {}  # (launch, key) -> BoundLaunch: the dispatch launches bound to these buffers
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
@@ -151,35 +148,11 @@ class FusedEngine:
         out_w = torch.empty(R, dtype=torch.float32, device=x.device)
         out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)
         p = FusedPlan(topk, plan, token_rows, plan[-E_L:], T, N, R, most)
-        # beside the send: after the route and its copy (done), not the send, queued after them
-        self._trail(self._event, lambda: self._expand(p, out, out_w, out2))
+        self._expand(p, out, out_w, out2)  # beside the send (PDL)
         del weights
         if lo < -1 or hi >= E:  # every kernel of the call ran: peers are not left waiting
             raise ValueError(f"dispatch: topk_idx values must be in [-1, {E}), got min {lo}, max {hi}")
         return out, out_w, out2, p
-
-    def _trail(self, after, launch) -> None:
-        """Queue `launch` (a trailing kernel: the expand, combine_recv) on the side stream after the caller's
-        event `after`, beside what the caller queued since; the caller's stream then waits for it. CPU ranks
-        or trailing off: on the caller's stream.
-
-        Beside the kernel it trails (the send, combine_send), which is all it can overlap: everything queued
-        before that kernel is ordered before `after`, and the callers keep that kernel's inputs referenced
-        until this is queued, so the outputs allocated meanwhile hold no memory it still reads. It reads a
-        block only once that block's signal says it landed. It cannot starve the kernel it trails, whose
-        programs wait for nothing of this call: of its 2 x SMs programs (4 warps; on sm_90 the expand takes 72
-        registers a thread, 9K of an SM's 64K, combine_recv 44) at most half the SMs can hold 4 or more, and on
-        every other SM three leave room for a program of the trailed kernel (4 warps, at most 255 registers:
-        32K)."""
-        if self._side is None:
-            launch()
-            return
-        caller = torch.cuda.current_stream(self._side.device)
-        self._side.wait_event(after)
-        with torch.cuda.stream(self._side):
-            launch()
-            self._joined.record()
-        caller.wait_event(self._joined)
 
     def redispatch(self, p: FusedPlan, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [R, H] with p's routing (no host sync)."""
@@ -216,7 +189,7 @@ class FusedEngine:
             key, full, (0, 1, 2, 3, 12, 13), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
             BLOCK_K=_P2(K), BLOCK_B=16, BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h,
             ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=not key[-1], HAS_X2=x2 is not None,
-            num_warps=self.cfg.num_warps)
+            PDL=self.pdl, num_warps=self.cfg.num_warps)
 
     def _expand(self, p: FusedPlan, out, out_w, out2) -> None:
         args = (self._or_dummy(out, out.dtype), self._or_dummy(out2, torch.float32),
@@ -225,9 +198,7 @@ class FusedEngine:
         expand = self._bound.get(("expand", key))
         if expand is None:
             expand = self._bound[("expand", key)] = self._bind_expand(key, out, out2, args)
-        # persistent: at most trailing_programs, no more than the chunks
-        chunks = self.W * cdiv(p.most_tokens, self.cfg.tokens_per_program)
-        expand.launch((max(1, min(chunks, self.cfg.trailing_programs)),), *args)
+        expand.launch((max(1, self.W * cdiv(p.most_tokens, self.cfg.tokens_per_program)),), *args)
 
     def _bind_expand(self, key, out, out2, args) -> BoundLaunch:
         """The expand launch of one key: varying are out, out2, out_w, token_rows, plan (args[:5]) and seq."""
@@ -244,7 +215,8 @@ class FusedEngine:
                 row2, self.bt]
         return self._expand_k.bind(
             key, full, (2, 3, 7, 8, 9, 13), K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
-            FROM_META=not key[-1], HAS_X2=out2 is not None, num_warps=self.cfg.num_warps)
+            FROM_META=not key[-1], HAS_X2=out2 is not None, PDL=self.pdl, num_warps=self.cfg.num_warps,
+            **self._pdl_launch)
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, p: FusedPlan, y: Optional[torch.Tensor], coef: Optional[torch.Tensor] = None,
@@ -260,27 +232,22 @@ class FusedEngine:
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         f32 = torch.float32
         flags = (dtype, y is None, coef is None, values is None)
-        if self._side is not None:
-            self._start.record()  # combine_recv, beside combine_send, comes after everything queued before it
         self._cs.launch(
             (max(1, self.W * cdiv(p.most_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32),
             self._or_dummy(values, f32), self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w,
             st.back_blocks, self._done, self._sig[_SIG_BWD_CONSUMED], self.seq[2], self.W, self.M, self.H, row,
             self.land_bt, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
             ALIGN=16 // back.element_size(), HAS_ROWS=y is not None, HAS_COEF=coef is not None,
-            HAS_VALS=values is not None, ACC=acc, num_warps=self.cfg.num_warps, enable_fp_fusion=False)
-        # made while combine_send's inputs (y, coef, values, p) are referenced: no memory it still reads
+            HAS_VALS=values is not None, ACC=acc, PDL=self.pdl, num_warps=self.cfg.num_warps, enable_fp_fusion=False)
+        # made while combine_send's inputs (y, coef, values, p) are referenced: no memory it still reads, which
+        # combine_recv, beside it (PDL), would write unordered
         out = None if y is None else torch.empty((T, self.H), dtype=dtype, device=dev)
         vals = None if values is None else torch.empty((T, K), dtype=f32, device=dev)
-
-        def recv() -> None:
-            self._cr.launch(
-                (max(1, min(cdiv(T, tpp), self.cfg.trailing_programs)),), flags + (p.topk_idx.dtype,), back, st.back_w,
-                self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype), self._or_dummy(vals, f32),
-                st.back_blocks, self._sig[_SIG_BWD_CONSUMED], self._ctr[_CTR_COMBINE_RECV], T, self.seq[2], self.E,
-                self.E_L, self.W, self.M, self.H, row, self.land_bt, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K),
-                BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc,
-                num_warps=self.cfg.num_warps, enable_fp_fusion=False)
-
-        self._trail(self._start, recv)  # beside combine_send
+        self._cr.launch(
+            (max(1, cdiv(T, tpp)),), flags + (p.topk_idx.dtype,), back, st.back_w,
+            self._or_dummy(p.topk_idx, p.topk_idx.dtype), self._or_dummy(out, dtype), self._or_dummy(vals, f32),
+            st.back_blocks, self._sig[_SIG_BWD_CONSUMED], self._ctr[_CTR_COMBINE_RECV], T, self.seq[2], self.E,
+            self.E_L, self.W, self.M, self.H, row, self.land_bt, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K),
+            BLOCK_H=self.cfg.block_h, HAS_ROWS=y is not None, HAS_VALS=values is not None, ACC=acc, PDL=self.pdl,
+            num_warps=self.cfg.num_warps, enable_fp_fusion=False, **self._pdl_launch)
         return out, vals

@@ -6,9 +6,9 @@
 For each NormalConfig variant (fields over NormalConfig.for_device's): dispatch and combine µs per call back to
 back, each kernel's mean device time, the GPU's idle time before each and a call's span (first kernel start to
 last kernel end), checked bit for bit against the first config's rows, weights and combine (each rank its own
-tokens; at world W the times are rank 0's). The forward expand runs beside the send and combine_recv beside
-combine_send, on a side stream, so their times overlap in the span; `trailing=0` runs each after the kernel it
-trails instead. (2026-11-26 it
+tokens; at world W the times are rank 0's). On sm_90 the forward expand runs beside the send and combine_recv beside
+combine_send (programmatic dependent launch), so their times overlap in the span; `trailing=0` runs each after the
+kernel it trails instead. (2026-11-26 it
 measured a persistent send that published each block, BENCHMARKS.md: slower than one program per block.)
 Not a test (no assertions beyond equality)."""
 import argparse

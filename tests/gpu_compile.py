@@ -159,6 +159,8 @@ def main() -> None:
             "tma": "cp.async.bulk.tensor" in ptx, "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
             # abi.take_ticket: a relaxed GPU-scope atomic add hands out the program index
             "ticket": "atom.global.gpu.relaxed.add" in ptx,
+            # programmatic dependent launch: a primary lets its dependent start, a dependent waits for its primary
+            "pdl_trigger": "griddepcontrol.launch_dependents" in ptx, "pdl_wait": "griddepcontrol.wait" in ptx,
         }))
 
 
