@@ -47,8 +47,8 @@ def gpu_compile_cases() -> list:
                                     "recv_w_ptr": _F32, "recv_src_ptr": _P32, "count_ptr": _P64, "epoch_ptr": _P64,
                                     "err_ptr": _P64, "pairs_ptr": _P32, "out_ptr": _BF16, "out_w_ptr": _F32,
                                     "maps_ptr": _P32, "per_expert_ptr": _P64, **sig},
-              dict(K=8, BLOCK_K=8, BLOCK_C=1024, BLOCK_EL=256, BLOCK_W=8, BLOCK_R=2, BLOCK_H=2048, ALIGN=8)),
+              dict(K=8, BLOCK_K=8, BLOCK_C=1024, BLOCK_EL=256, BLOCK_W=8, BLOCK_R=2, BLOCK_H=4096, ALIGN=8)),
         _case(ll._combine_kernel, {"y_ptr": _BF16, "w_ptr": _F32, "maps_ptr": _P32, "back_ptr": _BF16,
                                    "out_ptr": _BF16, "epoch_ptr": _P64, **sig},
-              dict(K=8, BLOCK_K=8, BLOCK_W=8, BLOCK_H=2048, ALIGN=8, ACC=tl.float32)),
+              dict(K=8, BLOCK_K=8, BLOCK_W=8, BLOCK_H=4096, ALIGN=8, ACC=tl.float32)),
     ]

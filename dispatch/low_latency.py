@@ -75,10 +75,13 @@ class LowLatencyConfig:
 
     @staticmethod
     def for_device(device: torch.device, hidden: int) -> "LowLatencyConfig":
-        # GPU: from tests/ll_probe.py (one H100, 128 x 7168, top-8 of 256): 2048 columns per step and at most
-        # 4 column programs per row were best for the two-kernel design; 8 warps or more programs were slower
+        # GPU: from tests/ll_probe.py (128 x 7168, top-8 of 256; 2026-11-27 on H200 at world 1 and 4): two column
+        # programs per row, each a single step of up to 4096 columns (dispatch / combine 35.9 / 17.2 µs at world 1,
+        # 52.6 / 46.5 at world 4, against 45.5 / 21.2 and 54.5 / 57.9 with four of 2048); 8 warps were slower
         if device.type == "cuda":
-            return LowLatencyConfig(col_programs=max(1, min(4, cdiv(hidden, 2048))))
+            col_programs = max(1, min(2, cdiv(hidden, 2048)))
+            return LowLatencyConfig(block_h=min(4096, max(2048, next_pow2(cdiv(hidden, col_programs)))),
+                                    col_programs=col_programs)
         return LowLatencyConfig(block_h=min(256, next_pow2(hidden)), col_programs=1, block_rows=8,
                                 num_warps=1)
 
