@@ -55,20 +55,15 @@ from tilecomm.jit import next_pow2
 from ._device import last_of, last_program, peer_offset, signal_all, wait_all
 
 _BIG = tl.constexpr(2 ** 63 - 1)
-# blocks[s, b] values of forward call seq: seq * _STEPS + j + 1 once column step j of the block's rows has landed
-# (sends that signal their steps), seq * _STEPS + _STEPS - 1 once all of it (rows, meta, second payload) has
-_STEPS = tl.constexpr(1 << 16)
 
 
 @dataclass(frozen=True)
 class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program:
-    received (or own) tokens per expand / combine chunk; trailing: the send signals each column step of a block
-    and the expand, where its chunks lie in one send block, waits for each step it copies; on sm_90 GPUs the
-    expand and combine_recv launch as programmatic dependents of the send / combine_send (PDL): their programs
-    may take SM slots once every program of the kernel they trail has started (False: each kernel after the
-    one before, the expand waits per block)."""
+    received (or own) tokens per expand / combine chunk; trailing (GPUs of sm_90 on): the expand and
+    combine_recv launch as programmatic dependents of the send / combine_send (PDL): their programs may take
+    SM slots once every program of the kernel they trail has started, and wait per block (False: after it)."""
 
     pairs_per_program: int = 128
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)
@@ -82,7 +77,8 @@ class NormalConfig:
         if device.type == "cuda":
             return NormalConfig()
         h = min(256, next_pow2(hidden))  # the interpreter: few programs, small tiles
-        return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1)
+        return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1,
+                            trailing=False)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -209,10 +205,9 @@ def _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, 
 
 
 @triton.jit
-def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, word_ptr, seq, BLOCK_W: tl.constexpr,
-               BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, SIGNAL_STEPS: tl.constexpr):
-    """Each token's row [H] once into rows[me, t] of every rank that owns one of its experts; SIGNAL_STEPS:
-    after column step j, SET word = seq * _STEPS + j + 1 on every rank (the expand trails the columns)."""
+def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+               ALIGN: tl.constexpr):
+    """Each token's row [H] once into rows[me, t] of every rank that owns one of its experts."""
     lanes = tl.arange(0, BLOCK_W)
     pes = tl.minimum(lanes, W - 1)  # padding lanes: a valid rank, never selected
     to_pe = peer_offset(dst_ptr, pes, ALIGN)
@@ -227,9 +222,6 @@ def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, word_ptr,
             hit = tl.max((owner == r).to(tl.int32), axis=1) > 0
             dst = dst_ptr + tl.multiple_of(tl.sum(tl.where(lanes == r, to_pe, 0), axis=0), ALIGN)
             tl.store(dst + dst_row[:, None] + cols[None, :], v, mask=hit[:, None] & cm[None, :])
-        if SIGNAL_STEPS:
-            tcl.fence()  # this thread's stores of the step before its signal
-            signal_all(word_ptr, seq * _STEPS + h // BLOCK_H + 1, W)
 
 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
@@ -237,8 +229,7 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
                  blocks_ptr, consumed_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
                  K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                 ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr,
-                 SIGNAL_STEPS: tl.constexpr):
+                 ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the expand, launched as its dependent, may start once every program of this grid has
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -248,13 +239,11 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
         _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M, K, BT,
                    BLOCK_P, BLOCK_B, BLOCK_W)
     tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
-    word = blocks_ptr + me.to(tl.int64) * M + b
-    seq = seq.to(tl.int64)
-    _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, word, seq, BLOCK_W, BLOCK_H, ALIGN, SIGNAL_STEPS)
+    _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
     if HAS_X2:
-        _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, word, seq, BLOCK_W, BLOCK_H, ALIGN2, False)
+        _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
     tcl.fence()  # this thread's stores (rows and meta, to every rank) before the block's signal
-    signal_all(word, seq * _STEPS + _STEPS - 1, W)
+    signal_all(blocks_ptr + me.to(tl.int64) * M + b, seq, W)
 
 
 @triton.jit
@@ -280,51 +269,33 @@ def _wait_sent(blocks_ptr, i_ok, src, t, seq, M, SEND_BT):
         lo = tl.min(tl.where(i_ok, t, _BIG), axis=0) // SEND_BT
         hi = tl.max(tl.where(i_ok, t, -1), axis=0) // SEND_BT
         for b in range(lo, hi + 1):
-            tcl.wait(blocks_ptr + s * M + b, seq * _STEPS + _STEPS - 1, tcl.CMP_GE)
+            tcl.wait(blocks_ptr + s * M + b, seq, tcl.CMP_GE)
 
 
 @triton.jit
-def _expand_rows(src_ptr, dst_ptr, rows, src_row, H, word_ptr, seen, base, SEND_H, K: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, TRAIL_COLUMNS: tl.constexpr):
-    """Read each received row once, write it to every output row of its pairs (rows [BLOCK_T, BLOCK_K], -1 = none).
-    TRAIL_COLUMNS: each step of BLOCK_H columns once the send's steps of SEND_H columns covering it have landed
-    (word >= base + step + 1; seen: the word's last value read). Returns seen."""
+def _expand_rows(src_ptr, dst_ptr, rows, src_row, H, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Read each received row once, write it to every output row of its pairs (rows [BLOCK_T, BLOCK_K], -1 = none)."""
     kk = tl.arange(0, BLOCK_K)
     has = tl.max((rows >= 0).to(tl.int32), axis=1) > 0
     cols0 = tl.arange(0, BLOCK_H)
     for h in range(0, H, BLOCK_H):
-        if TRAIL_COLUMNS:
-            need = base + (tl.minimum(H, h + BLOCK_H) - 1) // SEND_H + 1
-            if seen < need:
-                seen = tcl.wait(word_ptr, need, tcl.CMP_GE)
         cols = h + cols0
         cm = cols < H
         v = tl.load(src_ptr + src_row[:, None] + cols[None, :], mask=has[:, None] & cm[None, :])
         for k in tl.static_range(K):
             row_k = tl.sum(tl.where(kk[None, :] == k, rows, 0), axis=1)  # rows[:, k]
             tl.store(dst_ptr + row_k[:, None] * H + cols[None, :], v, mask=(row_k >= 0)[:, None] & cm[None, :])
-    return seen
 
 
 @tilecomm.jit(do_not_specialize=["seq"])
 def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, weight_ptr, out_w_ptr, token_rows_ptr,
-                   plan_ptr, blocks_ptr, consumed_ptr, counter_ptr, seq, W, M, H, ROW, H2, ROW2, SEND_BT, SEND_H,
+                   plan_ptr, blocks_ptr, consumed_ptr, counter_ptr, seq, W, M, H, ROW, H2, ROW2, SEND_BT,
                    K: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr,
-                   TRAIL_COLUMNS: tl.constexpr):
-    """Program c: chunk c in arrival order (_arriving), once the send blocks of its tokens have landed, or
-    (TRAIL_COLUMNS: a chunk lies in one send block, whose send signals each column step) column step by step."""
+                   BLOCK_H: tl.constexpr, FROM_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr):
+    """Program c: chunk c in arrival order (_arriving), once the send blocks of its tokens have landed."""
     me = tcl.rank()
     i, i_ok, src, t = _arriving(plan_ptr, tl.program_id(0), me, W, BT, BLOCK_T)
-    base = seq.to(tl.int64) * _STEPS
-    any_tok = tl.max(i_ok.to(tl.int32), axis=0) > 0
-    word = blocks_ptr + tl.max(tl.where(i_ok, src, 0), axis=0) * M + tl.min(tl.where(i_ok, t, _BIG), axis=0) // SEND_BT
-    seen = tl.where(any_tok, 0, _BIG).to(tl.int64)  # (no tokens: nothing to wait for)
-    if TRAIL_COLUMNS:
-        if seen < base + 1:  # column step 0: with it, the chunk's route / slot / weight have landed
-            seen = tcl.wait(word, base + 1, tcl.CMP_GE)
-    else:
-        _wait_sent(blocks_ptr, i_ok, src, t, seq.to(tl.int64), M, SEND_BT)
+    _wait_sent(blocks_ptr, i_ok, src, t, seq, M, SEND_BT)
     kk = tl.arange(0, BLOCK_K)
     pm = i_ok[:, None] & (kk < K)[None, :]
     if FROM_META:  # output row = first row of (expert, source) + the pair's slot
@@ -337,14 +308,9 @@ def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, 
         tl.store(out_w_ptr + rows, tl.load(weight_ptr + at, mask=here), mask=here)
     else:
         rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=pm, other=-1).to(tl.int64)
-    seen = _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, word, seen, base, SEND_H, K, BLOCK_K, BLOCK_H,
-                        TRAIL_COLUMNS)
+    _expand_rows(rows_ptr, out_ptr, rows, (src * M + t) * ROW, H, K, BLOCK_K, BLOCK_H)
     if HAS_X2:
-        if TRAIL_COLUMNS:  # the second payload: once all of the block has landed
-            if seen < base + _STEPS - 1:
-                seen = tcl.wait(word, base + _STEPS - 1, tcl.CMP_GE)
-        _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, word, seen, base, SEND_H, K, BLOCK_K,
-                     BLOCK_H, False)
+        _expand_rows(rows2_ptr, out2_ptr, rows, (src * M + t) * ROW2, H2, K, BLOCK_K, BLOCK_H)
     if last_program(counter_ptr):
         signal_all(consumed_ptr + me, seq, W)
         if PDL:  # this grid ends after the send's: what follows on the stream is ordered after both

@@ -80,9 +80,6 @@ class FusedEngine:
         # steps 3 and 5): sm_90 GPUs, config.trailing
         self.pdl = self.cuda and self.cfg.trailing and torch.cuda.get_device_capability(dev)[0] >= 9
         self._pdl_launch = {"launch_pdl": True} if self.pdl else {}
-        # the expand trails the send's column steps (the send signals each) where an expand chunk lies in one
-        # send block (CPU ranks: where K <= 4; in sequence, the waits find their steps landed)
-        self.trail_columns = self.cfg.trailing and self.bt % self.cfg.tokens_per_program == 0
         self._dummies, self._typed_views = {}, {}
         self._bound: dict = {}  # (launch, key) -> BoundLaunch: the dispatch launches bound to these buffers
         self.seq = [0, 0, 0]  # notify, forward channel, backward channel: the same on every rank
@@ -192,7 +189,7 @@ class FusedEngine:
             key, full, (0, 1, 2, 3, 12, 13), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
             BLOCK_K=_P2(K), BLOCK_B=16, BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h,
             ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=not key[-1], HAS_X2=x2 is not None,
-            PDL=self.pdl, SIGNAL_STEPS=self.trail_columns, num_warps=self.cfg.num_warps)
+            PDL=self.pdl, num_warps=self.cfg.num_warps)
 
     def _expand(self, p: FusedPlan, out, out_w, out2) -> None:
         args = (self._or_dummy(out, out.dtype), self._or_dummy(out2, torch.float32),
@@ -215,11 +212,11 @@ class FusedEngine:
         full = [self._typed("rows", out.dtype), self._or_dummy(rows2, torch.float32), args[0], args[1], st.route,
                 st.slot, st.weight, args[2], args[3], args[4], st.blocks, self._sig[_SIG_FWD_CONSUMED],
                 self._ctr[_CTR_EXPAND], args[5], self.W, self.M, out.shape[1], self.row_bytes // out.element_size(), h2,
-                row2, self.bt, self.cfg.send_block_h]
+                row2, self.bt]
         return self._expand_k.bind(
             key, full, (2, 3, 7, 8, 9, 13), K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
-            FROM_META=not key[-1], HAS_X2=out2 is not None, PDL=self.pdl, TRAIL_COLUMNS=self.trail_columns,
-            num_warps=self.cfg.num_warps, **self._pdl_launch)
+            FROM_META=not key[-1], HAS_X2=out2 is not None, PDL=self.pdl, num_warps=self.cfg.num_warps,
+            **self._pdl_launch)
 
     # -- combine -------------------------------------------------------------------------------------
     def combine(self, p: FusedPlan, y: Optional[torch.Tensor], coef: Optional[torch.Tensor] = None,
