@@ -60,12 +60,15 @@ _BIG = tl.constexpr(2 ** 63 - 1)
 @dataclass(frozen=True)
 class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
-    send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program:
+    send_programs: the send's grid (0: a program per block; G: G programs, program g sending blocks g, g + G, ...,
+    so that with PDL the expand finds landed blocks while the send runs); send_block_h / block_h: columns per
+    step in send / in expand and combine; tokens_per_program:
     received (or own) tokens per expand / combine chunk; trailing (GPUs of sm_90 on): the expand and
     combine_recv launch as programmatic dependents of the send / combine_send (PDL): their programs may take
     SM slots once every program of the kernel they trail has started, and wait per block (False: after it)."""
 
     pairs_per_program: int = 128
+    send_programs: int = 0
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)
     block_h: int = 1024
     tokens_per_program: int = 1
@@ -76,9 +79,9 @@ class NormalConfig:
     def for_device(device: torch.device, hidden: int) -> "NormalConfig":
         if device.type == "cuda":
             return NormalConfig()
-        h = min(256, next_pow2(hidden))  # the interpreter: few programs, small tiles
-        return NormalConfig(pairs_per_program=256, send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1,
-                            trailing=False)
+        h = min(256, next_pow2(hidden))  # the interpreter: few programs (3 send programs: the strided walk), small tiles
+        return NormalConfig(pairs_per_program=256, send_programs=3, send_block_h=h, block_h=h, tokens_per_program=64,
+                            num_warps=1, trailing=False)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -232,18 +235,21 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
                  ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the expand, launched as its dependent, may start once every program of this grid has
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
     me = tcl.rank()
     wait_all(consumed_ptr, seq - 1, W)  # every rank has read my previous call's rows
-    if WITH_META:
-        _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M, K, BT,
-                   BLOCK_P, BLOCK_B, BLOCK_W)
-    tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
-    _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
-    if HAS_X2:
-        _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
-    tcl.fence()  # this thread's stores (rows and meta, to every rank) before the block's signal
-    signal_all(blocks_ptr + me.to(tl.int64) * M + b, seq, W)
+    # program g: blocks g, g + G, ... (G = the grid: one program per block, or fewer, so that the first blocks
+    # land while the later ones are sent)
+    for blk in range(tl.program_id(0), tl.cdiv(T, BT), tl.num_programs(0)):
+        b = blk + 0 * tl.program_id(0)  # (a tensor in the interpreter too)
+        if WITH_META:
+            _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M, K, BT,
+                       BLOCK_P, BLOCK_B, BLOCK_W)
+        tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
+        _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
+        if HAS_X2:
+            _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
+        tcl.fence()  # this thread's stores (rows and meta, to every rank) before the block's signal
+        signal_all(blocks_ptr + me.to(tl.int64) * M + b, seq, W)
 
 
 @triton.jit

@@ -170,7 +170,8 @@ class FusedEngine:
         send = self._bound.get(("send", key))
         if send is None:
             send = self._bound[("send", key)] = self._bind_send(key, x, x2, args)
-        send.launch((max(1, cdiv(x.shape[0], self.bt)),), *args)
+        blocks = max(1, cdiv(x.shape[0], self.bt))
+        send.launch((min(blocks, self.cfg.send_programs) if self.cfg.send_programs > 0 else blocks,), *args)
 
     def _bind_send(self, key, x, x2, args) -> BoundLaunch:
         """The send launch of one key (dtypes, widths, whether weights come): varying are x, x2, topk, weights
