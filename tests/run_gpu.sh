@@ -31,6 +31,10 @@
 #          -> $OUT/overlap_profile.log
 #   llncu  ncu of the third low-latency dispatch and combine kernel at world 1 (tests/ll_probe.py --once; one GPU):
 #          duration, occupancy, warp stall reasons; the report and its SASS-level source page -> $OUT/ll_*.ncu-rep, *_sass.csv
+#   wgradprobe  tests/wgrad_probe.py: the expert weight-gradient kernel beside torch._grouped_mm and the write ceiling
+#          (zero_ / copy_ of the same bytes), one GPU (WGRAD_CONFIGS: its --configs) -> $OUT/wgrad_probe.log
+#   wgradncu  ncu of the DeepSeek-like gate_up weight-gradient kernel (tests/wgrad_probe.py --once): throughput of
+#          DRAM / L2 / SM, warp stall reasons -> $OUT/wgrad.ncu-rep
 #   llworld  tests/ll_probe.py --default on every GPU (one rank each): low-latency dispatch / combine at world W, the send
 #          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
 #   dispatchworld  tests/dispatch_probe.py on every GPU (one rank each): normal dispatch / combine at world W, their
@@ -74,6 +78,18 @@ if has llncu; then  # one low-latency dispatch and combine kernel of world 1 und
     ncu --import "$OUT/ll_$k.ncu-rep" --page details 2>&1 | grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|Warp Cycles Per Issued|Stall|One or More|No Eligible" | head -30
     ncu --import "$OUT/ll_$k.ncu-rep" --page source --csv --print-source sass 2>/dev/null > "$OUT/ll_${k}_sass.csv" || true
   done
+fi
+
+if has wgradprobe; then
+  timeout "${WGRAD_PROBE_TIMEOUT:-240}" python3 tests/wgrad_probe.py ${WGRAD_CONFIGS:+--configs "$WGRAD_CONFIGS"} 2>&1 \
+    | grep -v "named symbol not found\|UserWarning\|_warn_once" | tee "$OUT/wgrad_probe.log"
+fi
+
+if has wgradncu; then
+  timeout "${WGRAD_NCU_TIMEOUT:-240}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section LaunchStats --section Occupancy -k "regex:wgrad" --launch-count 1 \
+    -o "$OUT/wgrad" python3 tests/wgrad_probe.py --once > "$OUT/wgrad_ncu.log" 2>&1
+  ncu --import "$OUT/wgrad.ncu-rep" --page details 2>&1 | grep -E "Duration|Throughput|Registers|Occupancy|Stall|Busy|Hit Rate|Bandwidth|Issued|Block Limit" | head -40
 fi
 
 if has llworld && [ "$NGPU" -ge 2 ]; then

@@ -1,0 +1,77 @@
+"""GPU diagnostic of the expert weight gradient (not a test: no assertions), one GPU:
+
+    python3 tests/wgrad_probe.py [--once]          (bash tests/run_gpu.sh wgradprobe / wgradncu)
+
+dw[e] = x[rows of e]^T @ dy[rows of e] for the DeepSeek-V3-like layer's two products (256 experts, ~128 rows
+each: gate_up 7168 x 4096, down 2048 x 7168) and the pretraining layer's down product (64 experts, 1536 rows),
+bf16, random top-k routing. Each line: tilecomm's weight-gradient kernel per config, torch._grouped_mm on the
+same tensors, and what the GPU's memory does with the same output bytes in the same run (`zero_` of dw: the
+write ceiling; `copy_` of dw: read + write), so that the kernel's rate reads against the floor of its writes.
+--once: one call of each (for ncu)."""
+import argparse
+import dataclasses
+import importlib
+
+import torch
+import triton.testing
+
+grmod = importlib.import_module("tilecomm.overlap.grouped")
+tiles = importlib.import_module("tilecomm.overlap.tiles")
+
+SHAPES = {  # name: (experts, rows, K = x's columns, N = dy's columns)
+    "deepseek gate_up dw": (256, 32768, 7168, 4096),
+    "deepseek down dw": (256, 32768, 2048, 7168),
+    "pretrain down dw": (64, 98304, 768, 1536),
+}
+
+
+def operands(E, R, K, N, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.bincount(torch.randint(0, E, (R,), device="cuda", generator=gen), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(R, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    dy = torch.randn(R, N, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return x, dy, offs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--once", action="store_true")
+    ap.add_argument("--configs", default="", help="';'-separated variants of the flat form's config, each "
+                    "comma-separated GemmConfig field=int, e.g. 'num_stages=4,EPILOGUE_SPLIT=2' (beside the default)")
+    args = ap.parse_args()
+    flat = grmod._WGRAD["flat"]
+    configs = [None] + [dataclasses.replace(flat, **{k: int(v) for k, v in (f.split("=") for f in c.split(","))})
+                        for c in args.configs.split(";") if c]
+    for name, shape in SHAPES.items():
+        probe(name, *shape, configs, args.once)
+        torch.cuda.empty_cache()
+
+
+def probe(name, E, R, K, N, configs, once):
+    x, dy, offs = operands(E, R, K, N)
+    ref = torch._grouped_mm(x.t(), dy, offs=offs)
+    dw_bytes = E * K * N * 2
+    if once:
+        grmod._wgrad(x, dy, offs, E, None)
+        torch._grouped_mm(x.t(), dy, offs=offs)
+        torch.cuda.synchronize()
+        return
+    scratch = torch.empty_like(ref)
+    base = {"torch._grouped_mm": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
+            "zero_ of dw": lambda: scratch.zero_(), "copy_ of dw": lambda: scratch.copy_(ref)}
+    times = {k: triton.testing.do_bench(f, warmup=5, rep=60) * 1e3 for k, f in base.items()}
+    print(f"{name}: E={E} rows={R} K={K} N={N}, dw {dw_bytes / 1e9:.2f} GB; " + ", ".join(
+        f"{k} {t:.1f} µs ({dw_bytes / t / 1e3:.2f} TB/s of dw)" for k, t in times.items()), flush=True)
+    for cfg in configs:
+        try:
+            got = grmod._wgrad(x, dy, offs, E, cfg)
+            err = (got.float() - ref.float()).abs().max().item()
+            t = triton.testing.do_bench(lambda: grmod._wgrad(x, dy, offs, E, cfg), warmup=5, rep=60) * 1e3
+            print(f"  {str(cfg or 'default'):70s} {t:9.1f} µs  {dw_bytes / t / 1e3:.2f} TB/s  "
+                  f"torch/this {times['torch._grouped_mm'] / t:.3f}  max err {err:.3g}", flush=True)
+        except Exception as exc:  # keep sweeping
+            print(f"  {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+if __name__ == "__main__":
+    main()
