@@ -18,8 +18,12 @@ Two things run at once, on two streams (on CPU ranks: one after the other):
     small bar shape's GEMM). On GPUs the GEMM is launched before the copies are issued, so it computes its
     own shard meanwhile (where the gather buffer's rows are unpadded, so every copy is a memcpy, not a kernel);
   - "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
-    programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs start first and hold
-    their SMs until the shard is out, so the persistent GEMM's last programs wait for them.
+    programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs must hold SMs before the
+    persistent GEMM takes them all (the GEMM waits for their flags). On sm_90+ GPUs the push goes on the
+    caller's stream and the GEMM is launched as its programmatic dependent (PDL): every push program first
+    calls gdc_launch_dependents, so no GEMM program starts before every push program has, and each GEMM
+    program ends with gdc_wait, so what follows on the stream is ordered after both. (Elsewhere: the
+    workspace's stream, queued before the GEMM, which only the GPU's launch order keeps first.)
 * GEMM (current stream, the TMA tile GEMM of tiles.py, persistent): tiles in ring order, own shard first
   (read in place, no waiting), then shards me+1, me+2, ...; before a peer's tile it waits for the flag of
   that tile's chunk, so the first tiles compute while later ones are still arriving.
@@ -78,6 +82,9 @@ class AgGemmWorkspace(OpWorkspace):
         self.peer_gather = {i: tilecomm.peer(self.gather, team.ranks[i]) for i in others}
         self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in others}
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
+        # push="kernel" on sm_90+: the push on the caller's stream, the GEMM its programmatic dependent
+        self.pdl = (push == "kernel" and self.gather.is_cuda
+                    and torch.cuda.get_device_capability(self.gather.device)[0] >= 9)
 
     @staticmethod
     def specs(K: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
@@ -115,9 +122,11 @@ def _push_mode(push: str, team, device: torch.device) -> str:
 
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, slot_stride, flag_stride, me, W,
-                 BLOCK_M: tl.constexpr):
+                 BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """push="kernel": program (j, i) puts row tiles i, i + P, ... of the shard to the member that reads it at
     its step j + 1 and SETs that member's flag of each tile (one flag per row tile)."""
+    if PDL:  # the GEMM, launched as its dependent, may start once every program of this grid has
+        tl.extra.cuda.gdc_launch_dependents()
     dest = (me + W - 1 - tl.program_id(0)) % W  # team index; it reads this shard at its step program_id(0) + 1
     dest_pe = tl.load(pes_ptr + dest)
     slot = gather_ptr + tl.cast(me, tl.int64) * slot_stride
@@ -131,7 +140,8 @@ def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, 
 def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_am, stride_gm, slot_stride,
                  flag_stride, tiles_per_flag, stride_b, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
-                 WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                 WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
     # one group: any aligned group stride will do
     b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
     c_desc = c_desc3(c_ptr, W, m, N, tl.cast(m, tl.int64) * stride_cm, stride_cm, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
@@ -156,6 +166,8 @@ def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me,
                            B_TRANS, PRECISION)
         store_tile(c_desc, src, c_ptr + tl.cast(src, tl.int64) * m * stride_cm, stride_cm, m, N, acc,
                    pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
+    if PDL:  # the push this grid trails has ended too: what follows on the stream is ordered after both
+        tl.extra.cuda.gdc_wait()
 
 
 # The kernels' launchers (compiled kernels by config and dtype; module-level like Triton's own kernel cache).
@@ -244,11 +256,19 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
     chunk_rows = _copy_chunk_rows(m, K, a.element_size(), cfg.BLOCK_M) if ws.push == "copy" else cfg.BLOCK_M
 
+    pdl = W > 1 and ws.pdl
+    pdl_launch = {"launch_pdl": True} if pdl else {}
+
     def gemm():
         launch_gemm(_GEMM, W * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
                     epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
                     chunk_rows // cfg.BLOCK_M, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA,
-                    PRECISION=dot_precision(a.dtype))
+                    PRECISION=dot_precision(a.dtype), PDL=pdl, **pdl_launch)
+
+    def push_kernel():
+        _PUSH.launch((W - 1, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M, pdl), a_shard, g,
+                     ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
+                     BLOCK_M=cfg.BLOCK_M, PDL=pdl)
 
     # GEMM first where the push needs no SM and runs beside it (copy engine on a GPU, rows that are plain
     # memcpys: torch copies strided rows with a kernel): the host then issues the copies while the GEMM
@@ -256,7 +276,9 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     # every member: none could push), and CPU ranks run launches one after another (the GEMM would wait for
     # itself).
     gemm_first = W > 1 and ws.push == "copy" and ws.stream is not None and ws.gather.shape[-1] == K
-    if W > 1:
+    if pdl:  # the push, then the GEMM as its dependent, both on this stream (module docstring)
+        push_kernel()
+    elif W > 1:
         if ws.stream is not None:
             ws.stream.wait_stream(torch.cuda.current_stream(a.device))  # (recorded before the GEMM is queued)
         if gemm_first:
@@ -265,12 +287,10 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
             if ws.push == "copy":
                 _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
             else:
-                _PUSH.launch((W - 1, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M), a_shard, g,
-                             ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
-                             BLOCK_M=cfg.BLOCK_M)
+                push_kernel()
     if not gemm_first:
         gemm()
-    if W > 1 and ws.stream is not None:
+    if W > 1 and ws.stream is not None and not pdl:
         torch.cuda.current_stream(a.device).wait_stream(ws.stream)
         a_shard.record_stream(ws.stream)
 

@@ -63,8 +63,9 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
         assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
         assert rows[gemm]["local_bytes"] in (0, None), rows[gemm]  # compiled as launched (ints multiples of 16)
     assert rows["moe_gemm._scatter_kernel"]["release_sys_atomic"] and rows["moe_comm._send_kernel"]["release_sys_atomic"]
-    for primary, dependent in (("send", "expand"), ("combine_send", "combine_recv")):  # normal mode's PDL pairs
-        assert rows[f"normal._{primary}_kernel"]["pdl_trigger"] and rows[f"normal._{dependent}_kernel"]["pdl_wait"]
+    for primary, dependent in (("normal._send", "normal._expand"), ("normal._combine_send", "normal._combine_recv"),
+                               ("ag_gemm._push", "ag_gemm._gemm")):  # the PDL pairs (primary, dependent)
+        assert rows[f"{primary}_kernel"]["pdl_trigger"] and rows[f"{dependent}_kernel"]["pdl_wait"]
 
 
 def test_kernels_compile_for_sm90_nvshmem_transport(compiled):
