@@ -61,16 +61,14 @@ _BIG = tl.constexpr(2 ** 63 - 1)
 class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_programs: the send's grid (0: a program per block; G: G programs, program g sending blocks g, g + G, ...,
-    so that with PDL the expand finds landed blocks while the send runs); combine_programs: combine_send's grid
-    the same way (0: a program per chunk; G: all resident at once, so that combine_recv starts beside it);
-    send_block_h / block_h: columns per step in send / in expand and combine; tokens_per_program: received (or
-    own) tokens per expand / combine chunk; trailing (GPUs of sm_90 on): the expand and
+    so that with PDL the expand finds landed blocks while the send runs); send_block_h / block_h: columns per
+    step in send / in expand and combine; tokens_per_program:
+    received (or own) tokens per expand / combine chunk; trailing (GPUs of sm_90 on): the expand and
     combine_recv launch as programmatic dependents of the send / combine_send (PDL): their programs may take
     SM slots once every program of the kernel they trail has started, and wait per block (False: after it)."""
 
     pairs_per_program: int = 128
     send_programs: int = 0
-    combine_programs: int = 0
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)
     block_h: int = 1024
     tokens_per_program: int = 1
@@ -78,12 +76,19 @@ class NormalConfig:
     trailing: bool = True
 
     @staticmethod
-    def for_device(device: torch.device, hidden: int) -> "NormalConfig":
+    def for_device(device: torch.device, hidden: int, world: int = 1) -> "NormalConfig":
         if device.type == "cuda":
-            return NormalConfig()
-        h = min(256, next_pow2(hidden))  # the interpreter: few programs (3 send and 2 combine_send programs: the
-        return NormalConfig(pairs_per_program=256, send_programs=3, combine_programs=2,  # strided walks), small tiles
-                            send_block_h=h, block_h=h, tokens_per_program=64, num_warps=1, trailing=False)
+            if world == 1:  # no link: one program per block sends fastest, and the expand trails it anyway
+                return NormalConfig()
+            # over links: ~0.73 programs per SM, so that blocks land in rounds that the PDL expand copies while
+            # the send runs (tests/dispatch_probe.py, 4096 x 7168 top-8 of 256, 4 x H200, 2026-11-27: dispatch
+            # 671.7 µs at 96 programs, 688.3 at 66, 704.1 at 128, 773.7 at one per block; world 1 with 66:
+            # 324.3 against 243.4)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            return NormalConfig(send_programs=max(1, sms * 8 // 11))
+        h = min(256, next_pow2(hidden))  # the interpreter: few programs (3 send programs: the strided walk), small tiles
+        return NormalConfig(pairs_per_program=256, send_programs=3, send_block_h=h, block_h=h, tokens_per_program=64,
+                            num_warps=1, trailing=False)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -325,34 +330,20 @@ def _expand_kernel(rows_ptr, rows2_ptr, out_ptr, out2_ptr, route_ptr, slot_ptr, 
             tl.extra.cuda.gdc_wait()
 
 
-@tilecomm.jit(do_not_specialize=["seq", "NUM_CHUNKS"])
+@tilecomm.jit(do_not_specialize=["seq"])
 def _combine_send_kernel(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, back_ptr, back_w_ptr, landed_ptr,
-                         done_ptr, consumed_ptr, seq, W, M, H, ROW, LAND_BT, NUM_CHUNKS, K: tl.constexpr,
-                         BT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                         ALIGN: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr,
-                         ACC: tl.constexpr, PDL: tl.constexpr):
-    """Received-token chunks in arrival order (_arriving): program g takes chunks g, g + G, ... of the
-    NUM_CHUNKS (G = the grid: one program per chunk, or fewer, all resident at once, so that combine_recv, its
-    dependent, can start beside it and trail the landed blocks). The chunk that completes block b (LAND_BT
+                         done_ptr, consumed_ptr, seq, W, M, H, ROW, LAND_BT, K: tl.constexpr, BT: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
+                         HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program c: received-token chunk c in arrival order (_arriving). The chunk that completes block b (LAND_BT
     tokens) of source s SETs back_blocks[me, b] = seq on s (done: this rank's per-block chunk counters)."""
     if PDL:  # combine_recv, launched as its dependent, may start once every program of this grid has
         tl.extra.cuda.gdc_launch_dependents()
     me = tcl.rank()
-    wait_all(consumed_ptr, seq - 1, W)  # every rank has summed the previous call's rows
-    for c in range(tl.program_id(0), NUM_CHUNKS, tl.num_programs(0)):
-        _combine_send_chunk(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, back_ptr, back_w_ptr, landed_ptr,
-                            done_ptr, c + 0 * tl.program_id(0), me, seq, W, M, H, ROW, LAND_BT, K, BT, BLOCK_T,
-                            BLOCK_K, BLOCK_H, ALIGN, HAS_ROWS, HAS_COEF, HAS_VALS, ACC)
-
-
-@triton.jit
-def _combine_send_chunk(y_ptr, coef_ptr, vals_ptr, token_rows_ptr, plan_ptr, back_ptr, back_w_ptr, landed_ptr,
-                        done_ptr, c, me, seq, W, M, H, ROW, LAND_BT, K: tl.constexpr, BT: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                        HAS_ROWS: tl.constexpr, HAS_COEF: tl.constexpr, HAS_VALS: tl.constexpr, ACC: tl.constexpr):
-    """Chunk c of combine_send: each token's rows here summed (times coef) into one row, stored at its source."""
-    i, i_ok, src, t = _arriving(plan_ptr, c, me, W, BT, BLOCK_T)
+    i, i_ok, src, t = _arriving(plan_ptr, tl.program_id(0), me, W, BT, BLOCK_T)
     if tl.max(i_ok.to(tl.int32), axis=0) > 0:  # (chunks past a source's tokens: nothing to send or count)
+        wait_all(consumed_ptr, seq - 1, W)  # every rank has summed the previous call's rows
         kk = tl.arange(0, BLOCK_K)
         rows = tl.load(token_rows_ptr + i[:, None] * K + kk[None, :], mask=i_ok[:, None] & (kk < K)[None, :],
                        other=-1).to(tl.int64)

@@ -56,7 +56,7 @@ class FusedEngine:
         self.W, self.E, self.E_L, self.M, self.K, self.H, self.dtype = (W, num_experts, num_experts // W, max_tokens,
                                                                         topk, hidden, dtype)
         self.cuda = dev.type == "cuda"
-        self.cfg = NormalConfig.for_device(dev, hidden)
+        self.cfg = NormalConfig.for_device(dev, hidden, W)
         self.state = SymmetricState("Dispatcher(mode='normal')", normal_specs(W, num_experts, max_tokens, topk, hidden,
                                                                               dtype), zeroed=("sig", "blocks", "back_blocks"))
         self.row_bytes = row_bytes(hidden, dtype)
@@ -233,13 +233,11 @@ class FusedEngine:
         acc = tl.float64 if dtype == torch.float64 else tl.float32
         f32 = torch.float32
         flags = (dtype, y is None, coef is None, values is None)
-        chunks = max(1, self.W * cdiv(p.most_tokens, tpp))
-        grid = min(chunks, self.cfg.combine_programs) if self.cfg.combine_programs > 0 else chunks
         self._cs.launch(
-            (grid,), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32),
+            (max(1, self.W * cdiv(p.most_tokens, tpp)),), flags, self._or_dummy(y, dtype), self._or_dummy(coef, f32),
             self._or_dummy(values, f32), self._or_dummy(p.token_rows, torch.int32), p.plan, back, st.back_w,
             st.back_blocks, self._done, self._sig[_SIG_BWD_CONSUMED], self.seq[2], self.W, self.M, self.H, row,
-            self.land_bt, chunks, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
+            self.land_bt, K=K, BT=tpp, BLOCK_T=_P2(tpp), BLOCK_K=_P2(K), BLOCK_H=self.cfg.block_h,
             ALIGN=16 // back.element_size(), HAS_ROWS=y is not None, HAS_COEF=coef is not None,
             HAS_VALS=values is not None, ACC=acc, PDL=self.pdl, num_warps=self.cfg.num_warps, enable_fp_fusion=False)
         # made while combine_send's inputs (y, coef, values, p) are referenced: no memory it still reads, which

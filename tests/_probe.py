@@ -2,16 +2,16 @@
 import torch
 
 
-def sweep_configs(config_cls, variants, hidden, body):
-    """For each variant (a dict of fields over config_cls.for_device(cuda, hidden)), make config_cls.for_device
-    return that config while body(variant) runs, and print what body returns; a variant that raises prints its
+def sweep_configs(config_cls, variants, hidden, body, world=1):
+    """For each variant (a dict of fields over config_cls.for_device(cuda, hidden, world)), make
+    config_cls.for_device return that config while body(variant) runs, and print what body returns; a variant that raises prints its
     error and the sweep goes on. body returns False to stop the sweep, "" or None to print nothing."""
     default = config_cls.for_device
     try:
         for over in variants:
             try:
-                cfg = config_cls(**{**default(torch.device("cuda"), hidden).__dict__, **over})
-                config_cls.for_device = staticmethod(lambda device, hidden, cfg=cfg: cfg)
+                cfg = config_cls(**{**default(torch.device("cuda"), hidden, world).__dict__, **over})
+                config_cls.for_device = staticmethod(lambda device, hidden, world=1, cfg=cfg: cfg)
                 line = body(over)
             except Exception as err:  # keep sweeping
                 line = f"{str(over):55s} failed: {type(err).__name__}: {str(err)[:200]}"

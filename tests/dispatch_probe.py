@@ -84,7 +84,7 @@ def main():
             f"{'':62s} combine  {per_combine:7.1f} µs/call  span {c_span:6.1f}  {c_kernels}  GPU idle before: {c_idle}  "
             f"same={same}")
 
-    sweep_configs(nm.NormalConfig, [parse(text) for text in args.configs.split(";")], H, run)
+    sweep_configs(nm.NormalConfig, [parse(text) for text in args.configs.split(";")], H, run, tilecomm.world_size())
     tilecomm.finalize()
 
 

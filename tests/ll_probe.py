@@ -91,7 +91,7 @@ def main():
                 f"combine {comb:6.1f} µs {kc}  same={same}")
         return line if rank == 0 else ""  # (False would stop this rank's sweep alone)
 
-    sweep_configs(ll.LowLatencyConfig, CONFIGS[:1] if once or only_default else CONFIGS, H, run)
+    sweep_configs(ll.LowLatencyConfig, CONFIGS[:1] if once or only_default else CONFIGS, H, run, tilecomm.world_size())
     tilecomm.finalize()
 
 
