@@ -8,7 +8,8 @@
     peer_offset(ptr, pe, ALIGN)   element offset from ptr to the same symmetric object on pe
                                   (vector of pes allowed), with the alignment hint that keeps stores
                                   through it 16-byte vectorised (heaps are page aligned).
-    wait_all(sig_ptr, value, W)   acquire-wait until sig[0..W) >= value.
+    wait_all(sig_ptr, value, W)   acquire-wait until sig[0..W) >= value (8 words per poll: one round trip
+                                  for up to 8 ranks).
     signal_all(sig_ptr, value, W) SET sig on every rank (release: this program's stores land first).
 
 Programs take their roles from `tilecomm.language.abi.take_ticket` and record errors with its
@@ -46,8 +47,9 @@ def peer_offset(ptr, pe, ALIGN: tl.constexpr):
 
 @triton.jit
 def wait_all(sig_ptr, value, W):
-    for r in range(0, W):
-        tcl.wait(sig_ptr + r, value, tcl.CMP_GE)
+    lanes = tl.arange(0, 8)
+    for r0 in range(0, W, 8):
+        tcl.wait(sig_ptr + tl.minimum(r0 + lanes, W - 1), value, tcl.CMP_GE)  # lanes past W: the last word again
 
 
 @triton.jit

@@ -107,7 +107,7 @@ def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
     else:
         r = ticket - N_SEND
         _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
-                 out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, K, BLOCK_R, BLOCK_H)
+                 out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, K, BLOCK_W, BLOCK_R, BLOCK_H)
         if last_of(counter_ptr + 2, N_RECV):
             signal_all(consumed_ptr + tcl.rank(), epoch, W)
             tl.store(epoch_ptr, epoch)
@@ -143,9 +143,10 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
     # the row goes to each owner once: at the first of that owner's pairs, in k order
     earlier = (kk[None, :] < kk[:, None]) & (owner[None, :] == owner[:, None])  # [k, k'] with k' < k
     first = ok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
-    for k in tl.static_range(K):  # each owner of this token has copied out my previous rows (not every rank)
-        if tl.max(((kk == k) & first).to(tl.int32), axis=0) > 0:
-            tcl.wait(consumed_ptr + tl.sum(tl.where(kk == k, owner, 0), axis=0), epoch - 1, tcl.CMP_GE)
+    # each owner of this token has copied out my previous rows (not every rank): their words in one wait
+    any_owner = tl.max(tl.where(first, owner, -1), axis=0)
+    if any_owner >= 0:
+        tcl.wait(consumed_ptr + tl.where(first, owner, any_owner), epoch - 1, tcl.CMP_GE)
     if j == 0:
         dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
         to = tl.where(ok, owner, 0)
@@ -188,17 +189,16 @@ def _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, me, epoch, E_L,
 
 @triton.jit
 def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr, out_w_ptr, pair_row_ptr,
-             per_expert_ptr, epoch, CP, W, M, H, ROW, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+             per_expert_ptr, epoch, CP, W, M, H, ROW, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
+             BLOCK_H: tl.constexpr):
     base = epoch * (M + 1)
-    offset = tl.zeros((), tl.int64)
-    count = tl.zeros((), tl.int64)
-    # the counts of sources up to src only (the rows of lower sources come first in the expert's block): a
-    # program starts copying once they have published, not the slowest rank; the last source's programs wait
-    # for every count and write the expert's total
-    for r in range(0, src + 1):
-        n = tcl.wait(count_ptr + el * W + r, base, tcl.CMP_GE) - base
-        offset += tl.where(r < src, n, 0)
-        count = tl.where(r == src, n, count)
+    # the counts of sources up to src only (the rows of lower sources come first in the expert's block), in
+    # one wait (lanes past src repeat src's word): a program starts copying once they have published, not the
+    # slowest rank; the last source's programs wait for every count and write the expert's total
+    rr = tl.arange(0, BLOCK_W)
+    n = tcl.wait(count_ptr + el * W + tl.minimum(rr, src), base, tcl.CMP_GE) - base
+    offset = tl.sum(tl.where(rr < src, n, 0), axis=0)
+    count = tl.sum(tl.where(rr == src, n, 0), axis=0)
     if (src == W - 1) & (j == 0):
         tl.store(per_expert_ptr + el, offset + count)
     first = el.to(tl.int64) * W * M + offset  # output row of slot 0

@@ -340,19 +340,26 @@ def _signal(sig, value, pe, op: tl.constexpr):
 
 @triton.jit
 def wait(sig, value, cmp: tl.constexpr):
-    """Spin on the local word(s) at sig; past the timeout, record the error and return."""
+    """Spin on the local word at sig, or on a block of words until every one holds (their acquire loads
+    issued together: one round trip per poll, however many words); past the timeout, record the error
+    (the lowest failing word's address and value) and return."""
     state = _state_ptr()
     timeout = tl.load(state + STATE_TIMEOUT_NS)
     start = _globaltimer()
+    one = tl.full((1,), 1, tl.int32)  # any shape -> at least one dimension, for the reductions
     cur = _load_acquire(sig)
-    ok = _compare(cur, value, cmp).to(tl.int32)
+    ok = tl.min(_compare(cur, value, cmp).to(tl.int32) & one, axis=0)
     while ok == 0:
         if _globaltimer() - start > timeout:
-            _record(ERR_WAIT_TIMEOUT, sig.to(tl.int64), value, cur, cmp)
+            bad = _compare(cur, value, cmp) == 0
+            addr = tl.min(tl.where(bad, sig.to(tl.int64), 9223372036854775807) + 0 * one, axis=0)
+            seen = tl.max(tl.where(sig.to(tl.int64) == addr, cur.to(tl.int64), -9223372036854775807) + 0 * one,
+                          axis=0)
+            _record(ERR_WAIT_TIMEOUT, addr, value, seen, cmp)
             ok = tl.full((), 2, tl.int32)
         else:
             cur = _load_acquire(sig)
-            ok = _compare(cur, value, cmp).to(tl.int32)
+            ok = tl.min(_compare(cur, value, cmp).to(tl.int32) & one, axis=0)
     tl.debug_barrier()
     return cur
 
