@@ -152,6 +152,48 @@ def test_signal_add_and_every_compare(ranks, world):
     ranks(world).run(signal_add_and_compares)
 
 
+@tilecomm.jit
+def _wait_block_kernel(sig_ptr, value, out_ptr, n, N: tl.constexpr):
+    lanes = tl.arange(0, N)
+    words = tcl.wait(sig_ptr + tl.minimum(lanes, n - 1), value, tcl.CMP_GE)  # words 0 .. n - 1, each
+    tl.store(out_ptr + lanes, words, mask=lanes < n)
+
+
+def wait_on_blocks():
+    """tcl.wait on a block of words returns once every word holds, with the words; past the timeout it names
+    the first word that does not hold."""
+    from tilecomm.errors import WaitTimeoutError
+
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    sig = tilecomm.zeros((8,), torch.int64)
+    _add_kernel[(1,)](sig[rank:], 0)  # rank r adds r + 1 to word r of rank 0
+    tilecomm.barrier()
+    if rank == 0:
+        out = torch.full((world,), -7, dtype=torch.int64, device=dev())
+        _wait_block_kernel[(1,)](sig, 1, out, world, N=4)
+        assert out.tolist() == [r + 1 for r in range(world)]
+        old = tilecomm.current().timeout_s
+        tilecomm.set_timeout(0.5)
+        try:  # words 0 .. world - 1 hold, word `world` is never written
+            _wait_block_kernel[(1,)](sig, 1, torch.zeros(8, dtype=torch.int64, device=dev()), world + 1, N=8)
+            if sig.is_cuda:
+                torch.cuda.synchronize()
+            tilecomm.check_errors()
+        except WaitTimeoutError as err:
+            assert err.signal_addr == sig[world:].data_ptr(), (err.signal_addr, sig.data_ptr())
+        else:
+            raise AssertionError("a wait on a block with an unwritten word returned")
+        finally:
+            tilecomm.set_timeout(old)
+    tilecomm.barrier()
+    tilecomm.free(sig)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_wait_on_a_block_of_words(ranks, world):
+    ranks(world).run(wait_on_blocks)
+
+
 def wait_times_out():
     """A wait nobody signals must raise WaitTimeoutError naming this rank and the word, in time."""
     import time

@@ -14,10 +14,12 @@ All operations act for the whole program (one Triton program = one CUDA block):
                                     program's earlier puts/stores to pe land before the signal does
                                     (once per program; a block of words: SIGNAL_SET only under
                                     TILECOMM_TRANSPORT=nvshmem, a compile error otherwise)
-    wait(sig, value, cmp)           acquire-spin until the local word(s) at sig compare cmp to value;
-                                    returns the word (a token). Past TILECOMM_TIMEOUT_S it gives up:
-                                    on CPU it raises WaitTimeoutError, on GPU it records the error
-                                    and the host raises WaitTimeoutError at the next launch/check.
+    wait(sig, value, cmp)           acquire-spin until the local word at sig (or every word of a block
+                                    of pointers, polled together: one round trip each poll) compares
+                                    cmp to value; returns the word(s) (a token). Past TILECOMM_TIMEOUT_S
+                                    it gives up: on CPU it raises WaitTimeoutError, on GPU it records
+                                    the error and the host raises WaitTimeoutError at the next
+                                    launch/check (either way naming the first word that did not hold).
     consume_token(x, token)         x, made dependent on token (keeps loads after the wait)
     fence() / quiet()               order / complete this program's earlier puts
     barrier_all()                   all PEs meet (call from one program per kernel per rank)

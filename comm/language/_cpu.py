@@ -165,9 +165,11 @@ def wait(sig, value, cmp):
             return seen
         if time.monotonic() > deadline:
             ctx.device_state.raise_if_error()  # a recorded error (e.g. a peer in another collective) is the cause
-            addr = int(np.asarray(_py(sig)).reshape(-1)[0])
+            held = np.broadcast_to(compare_numpy(words, expected, cmp), words.shape).reshape(-1)
+            first = int(np.argmin(held))  # the first word that does not hold (GPUs: the lowest address)
+            addr = int(np.asarray(_py(sig)).reshape(-1)[first])
             raise WaitTimeoutError(ctx.rank, addr, int(np.asarray(expected).reshape(-1)[0]), CMP_NAMES[cmp],
-                                   int(words.reshape(-1)[0]), ctx.timeout_s, where=ctx.heap.describe(addr))
+                                   int(words.reshape(-1)[first]), ctx.timeout_s, where=ctx.heap.describe(addr))
         time.sleep(pause)
         pause = min(1e-3, pause * 2 + 1e-6)
 
