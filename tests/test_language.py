@@ -152,6 +152,20 @@ def test_signal_add_and_every_compare(ranks, world):
     ranks(world).run(signal_add_and_compares)
 
 
+def _timeout_of(launch, what: str):
+    """The WaitTimeoutError a launch's wait raises (GPUs: recorded, raised at the check after it)."""
+    from tilecomm.errors import WaitTimeoutError
+
+    try:
+        launch()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        tilecomm.check_errors()
+    except WaitTimeoutError as err:
+        return err
+    raise AssertionError(f"{what} returned")
+
+
 @tilecomm.jit
 def _wait_block_kernel(sig_ptr, value, out_ptr, n, N: tl.constexpr):
     lanes = tl.arange(0, N)
@@ -162,8 +176,6 @@ def _wait_block_kernel(sig_ptr, value, out_ptr, n, N: tl.constexpr):
 def wait_on_blocks():
     """tcl.wait on a block of words returns once every word holds, with the words; past the timeout it names
     the first word that does not hold."""
-    from tilecomm.errors import WaitTimeoutError
-
     rank, world = tilecomm.rank(), tilecomm.world_size()
     sig = tilecomm.zeros((8,), torch.int64)
     _add_kernel[(1,)](sig[rank:], 0)  # rank r adds r + 1 to word r of rank 0
@@ -175,14 +187,10 @@ def wait_on_blocks():
         old = tilecomm.current().timeout_s
         tilecomm.set_timeout(0.5)
         try:  # words 0 .. world - 1 hold, word `world` is never written
-            _wait_block_kernel[(1,)](sig, 1, torch.zeros(8, dtype=torch.int64, device=dev()), world + 1, N=8)
-            if sig.is_cuda:
-                torch.cuda.synchronize()
-            tilecomm.check_errors()
-        except WaitTimeoutError as err:
+            err = _timeout_of(lambda: _wait_block_kernel[(1,)](
+                sig, 1, torch.zeros(8, dtype=torch.int64, device=dev()), world + 1, N=8),
+                "a wait on a block with an unwritten word")
             assert err.signal_addr == sig[world:].data_ptr(), (err.signal_addr, sig.data_ptr())
-        else:
-            raise AssertionError("a wait on a block with an unwritten word returned")
         finally:
             tilecomm.set_timeout(old)
     tilecomm.barrier()
@@ -198,8 +206,6 @@ def wait_times_out():
     """A wait nobody signals must raise WaitTimeoutError naming this rank and the word, in time."""
     import time
 
-    from tilecomm.errors import WaitTimeoutError
-
     ctx = tilecomm.current()
     sig = tilecomm.zeros((2,), torch.int64)
     old = ctx.timeout_s
@@ -213,17 +219,12 @@ def wait_times_out():
     tilecomm.set_timeout(0.5)
     start = time.monotonic()
     try:
-        _wait_cmp_kernel[(1,)](sig[1:], 1, torch.zeros(1, dtype=torch.int64, device=dev()), CMP=tcl.CMP_EQ)
-        if sig.is_cuda:  # a GPU launch returns at once; the record is raised at the next check
-            torch.cuda.synchronize()
-        tilecomm.check_errors()
-    except WaitTimeoutError as err:
+        err = _timeout_of(lambda: _wait_cmp_kernel[(1,)](
+            sig[1:], 1, torch.zeros(1, dtype=torch.int64, device=dev()), CMP=tcl.CMP_EQ), "wait without a signal")
         elapsed = time.monotonic() - start
         assert err.rank == ctx.rank and err.signal_addr == sig[1:].data_ptr()
         assert f"rank {ctx.rank}" in str(err) and "heap offset" in str(err)
         assert elapsed < 5, elapsed
-    else:
-        raise AssertionError("wait without a signal returned")
     finally:
         tilecomm.set_timeout(old)
     tilecomm.barrier()
