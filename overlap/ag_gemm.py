@@ -3,7 +3,7 @@
     a_shard [m, K] on every member of the team (member r holds rows r*m ... (r+1)*m - 1 of A),
     b [K, n] -> C [W*m, n]; the team is a torch.distributed group (default: the world) of W ranks
 
-Two things run at once, on two streams (on CPU ranks: one after the other):
+Two things run at once, on two streams, or on one under PDL (on CPU ranks: one after the other):
 
 * the push (the workspace's communication stream): member me puts its shard into slot me of every other
   member's symmetric gather buffer and SETs that member's flag of each chunk to the call's epoch; members
