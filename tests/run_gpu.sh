@@ -50,7 +50,9 @@ PHASES="${*:-gemm tests bench train}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
 source tests/gpu_env.sh
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-echo "GPUs: $NGPU  commit: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +dirty)"
+# the device copy's .git can be stale: the source hash (the same command in a checkout) names the tree that ran
+SOURCE_HASH=$(find comm dispatch overlap moe examples -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)
+echo "GPUs: $NGPU  commit: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +dirty)  source: $SOURCE_HASH"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 
 has() { case " $PHASES " in *" $1 "*) return 0;; esac; return 1; }
