@@ -5,7 +5,8 @@ import torch
 def sweep_configs(config_cls, variants, hidden, body, world=1):
     """For each variant (a dict of fields over config_cls.for_device(cuda, hidden, world)), make
     config_cls.for_device return that config while body(variant) runs, and print what body returns; a variant
-    that raises prints its error and the sweep goes on. body returns False to stop the sweep, "" or None to print nothing."""
+    that raises prints its error and the sweep goes on. body returns False to stop the sweep, "" or None to
+    print nothing."""
     default = config_cls.for_device
     try:
         for over in variants:

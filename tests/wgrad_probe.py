@@ -5,9 +5,10 @@
 dw[e] = x[rows of e]^T @ dy[rows of e] for the DeepSeek-V3-like layer's two products (256 experts, ~128 rows
 each: gate_up 7168 x 4096, down 2048 x 7168), the same products on one rank's share at EP = 4 (64 experts, ~512
 rows each: "deepseek/4") and the pretraining layer's down product (64 experts, 1536 rows), bf16, random top-k
-routing; --shapes picks some, --configs adds loop-form / GemmConfig variants beside the default. Each line: tilecomm's weight-gradient kernel per config, torch._grouped_mm on the
-same tensors, and what the GPU's memory does with the same output bytes in the same run (`zero_` of dw: the
-write ceiling; `copy_` of dw: read + write), so that the kernel's rate reads against the floor of its writes.
+routing; --shapes picks some, --configs adds loop-form / GemmConfig variants beside the default. Each line:
+tilecomm's weight-gradient kernel per variant, torch._grouped_mm on the same tensors, and what the GPU's memory
+does with the same output bytes in the same run (`zero_` of dw: the write ceiling; `copy_` of dw: read + write),
+so that the kernel's rate reads against the floor of its writes.
 --once: one call of each (for ncu)."""
 import argparse
 import dataclasses
