@@ -261,6 +261,12 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched as programmatic dependents (PDL: `launch_pdl=True`, with
+    `tl.extra.cuda.gdc_launch_dependents` / `gdc_wait` in the kernels): CUDA devices of sm_90 and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def jit(fn: Optional[Callable] = None, **jit_kwargs):
     """Decorator: like `triton.jit`, and the kernel also runs on CPU ranks (see module docstring)."""
     if fn is None:

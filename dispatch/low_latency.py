@@ -75,6 +75,7 @@ class LowLatencyConfig:
 
     @staticmethod
     def for_device(device: torch.device, hidden: int, world: int = 1) -> "LowLatencyConfig":
+        # (world: not used; NormalConfig.for_device's signature, so the probes sweep both alike)
         # GPU: from tests/ll_probe.py (128 x 7168, top-8 of 256; 2026-11-27 on H200 at world 1 and 4): two column
         # programs per row, each a single step of up to 4096 columns (dispatch / combine 35.9 / 17.2 µs at world 1,
         # 52.6 / 46.5 at world 4, against 45.5 / 21.2 and 54.5 / 57.9 with four of 2048); 8 warps were slower

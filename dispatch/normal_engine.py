@@ -10,7 +10,7 @@ import torch
 import triton.language as tl
 
 import tilecomm
-from tilecomm.jit import BoundLaunch, CachedLaunch, cdiv, next_pow2
+from tilecomm.jit import BoundLaunch, CachedLaunch, cdiv, next_pow2, pdl_available
 
 from .buffers import SymmetricState, normal_specs, row_bytes
 from .normal import (NormalConfig, _BIG, _combine_recv_kernel, _combine_send_kernel, _expand_kernel, _route_kernel,
@@ -78,7 +78,7 @@ class FusedEngine:
         self._event = torch.cuda.Event() if self.cuda else None
         # the expand and combine_recv launch as programmatic dependents of the send / combine_send (normal.py,
         # steps 3 and 5): sm_90 GPUs, config.trailing
-        self.pdl = self.cuda and self.cfg.trailing and torch.cuda.get_device_capability(dev)[0] >= 9
+        self.pdl = self.cfg.trailing and pdl_available(dev)
         self._pdl_launch = {"launch_pdl": True} if self.pdl else {}
         self._dummies, self._typed_views = {}, {}
         self._bound: dict = {}  # (launch, key) -> BoundLaunch: the dispatch launches bound to these buffers

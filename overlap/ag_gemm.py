@@ -46,7 +46,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from tilecomm.jit import CachedLaunch, cdiv
+from tilecomm.jit import CachedLaunch, cdiv, pdl_available
 
 from tilecomm import _env, stream_ops
 
@@ -83,8 +83,7 @@ class AgGemmWorkspace(OpWorkspace):
         self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in others}
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
         # push="kernel" on sm_90+: the push on the caller's stream, the GEMM its programmatic dependent
-        self.pdl = (push == "kernel" and self.gather.is_cuda
-                    and torch.cuda.get_device_capability(self.gather.device)[0] >= 9)
+        self.pdl = push == "kernel" and pdl_available(self.gather.device)
 
     @staticmethod
     def specs(K: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
