@@ -62,8 +62,7 @@ class NormalConfig:
     """Launch shapes. pairs_per_program: route/send block (tokens = this // next_pow2(K), at most 16);
     send_programs: the send's grid (0: a program per block; G: G programs, program g sending blocks g, g + G, ...,
     so that with PDL the expand finds landed blocks while the send runs); send_block_h / block_h: columns per
-    step in send / in expand and combine; send_num_warps: the send's warps (0: num_warps; with 2048-column steps
-    8 warps keep the send at 240 registers and no spills on sm_90, 4 spill); tokens_per_program:
+    step in send / in expand and combine; tokens_per_program:
     received (or own) tokens per expand / combine chunk; trailing (GPUs of sm_90 on): the expand and
     combine_recv launch as programmatic dependents of the send / combine_send (PDL): their programs may take
     SM slots once every program of the kernel they trail has started, and wait per block (False: after it)."""
@@ -71,7 +70,6 @@ class NormalConfig:
     pairs_per_program: int = 128
     send_programs: int = 0
     send_block_h: int = 1024  # H200, world 1: send 60.0 µs against 71.5 with 256 columns (tests/dispatch_probe.py)
-    send_num_warps: int = 0
     block_h: int = 1024
     tokens_per_program: int = 1
     num_warps: int = 4

@@ -190,7 +190,7 @@ class FusedEngine:
             key, full, (0, 1, 2, 3, 12, 13), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
             BLOCK_K=_P2(K), BLOCK_B=16, BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h,
             ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=not key[-1], HAS_X2=x2 is not None,
-            PDL=self.pdl, num_warps=self.cfg.send_num_warps or self.cfg.num_warps)
+            PDL=self.pdl, num_warps=self.cfg.num_warps)
 
     def _expand(self, p: FusedPlan, out, out_w, out2) -> None:
         args = (self._or_dummy(out, out.dtype), self._or_dummy(out2, torch.float32),

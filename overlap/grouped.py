@@ -31,9 +31,10 @@ from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, desc3, dot_precision, 
 # Weight-gradient configs, per loop form (`python -m tilecomm.bench.gemm --sweep-grouped ...`, one H100, 2026-11-25).
 _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),
           "cpu": GemmConfig(16, 16, 16, 1, 1, 1, 1, False)}
-# The flat form below this many rows per expert on average. Measured (H100): ~128 rows, flat 1.63x faster than
-# per item; ~1536 rows, per item 1.23x faster; ~2048 rows, per item 1.43x faster. In between: not measured.
-FLAT_MAX_ROWS = 512
+# The flat form up to this many rows per expert on average. Measured: ~128 rows, flat 1.63x faster than per item
+# (H100); ~512 rows (the DeepSeek-like layer's share at EP = 4), per item 1.18x / 1.06x faster on gate_up / down
+# (H200, tests/wgrad_probe.py, 2026-11-27); ~1536 rows, per item 1.23x faster; ~2048 rows, 1.43x. 256: not measured.
+FLAT_MAX_ROWS = 256
 # The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
 _ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE}

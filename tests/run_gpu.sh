@@ -103,7 +103,7 @@ fi
 
 if has dispatchworld && [ "$NGPU" -ge 2 ]; then  # tests/dispatch_probe.py on every GPU: normal dispatch / combine at world W
   timeout "${DISPATCH_WORLD_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$NGPU" tests/dispatch_probe.py \
-    --configs "${DISPATCH_WORLD_CONFIGS:-;send_programs=0;send_block_h=2048,send_num_warps=8;send_programs=132,send_block_h=2048,send_num_warps=8;send_programs=192,send_block_h=512}" 2>&1 \
+    --configs "${DISPATCH_WORLD_CONFIGS:-;send_programs=0;send_programs=128;send_programs=192,send_block_h=512}" 2>&1 \
     | grep -v "named symbol not found\|UserWarning\|_warn_once\|^W1" | tee "$OUT/dispatch_world.log"
 fi
 
