@@ -245,8 +245,8 @@ class Dispatcher:
                 rows, weights = _Dispatch.apply(x.contiguous(), topk_weights, self._engine, topk_idx, box)
                 res = DispatchResult(rows, weights, box[0].tokens_per_expert, self._handle(box[0], weights))
             outputs += [res.x, res.weights, res.tokens_per_expert]
-        if async_op:
-            res.work = Work(res.x)
+        if async_op:  # (made here, outside the stream block: it marks the communication stream's work)
+            res.work = Work(res.x, self._stream)
         return res
 
     def _dispatch_low_latency(self, x, topk_idx, topk_weights, return_recv_hook) -> DispatchResult:
@@ -279,7 +279,7 @@ class Dispatcher:
             else:
                 out = _Combine.apply(y.contiguous(), handle.row_weights, self._engine, handle.plan)
             outputs.append(out)
-        return (out, Work(out)) if async_op else out
+        return (out, Work(out, self._stream)) if async_op else out
 
     def _check_combine(self, y, handle) -> None:
         if self.mode == "low_latency":

@@ -44,13 +44,14 @@ def _compiling(what: str, async_op: bool) -> bool:
 
 
 class Work:
-    """Returned by `async_op=True` calls. `wait()` orders the current stream after the call."""
+    """Returned by `async_op=True` calls. `wait()` orders the current stream after the call: after what was
+    queued on `stream` (the stream the call ran on; default: the current one) when the Work was made."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, stream: "torch.cuda.Stream | None" = None):
         self._event = None
         if tensor.is_cuda:
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(stream)
 
     def wait(self, timeout=None) -> bool:
         if self._event is not None:
