@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import tilecomm
@@ -26,10 +27,17 @@ CONFIGS = [dict(), dict(col_programs=2), dict(block_h=4096, col_programs=2), dic
            dict(block_rows=8, col_programs=2, num_warps=8)]
 
 
-def per_call(fn, n=200):
-    for _ in range(10):
+def line_up(fn, warm=3):
+    """A few calls of fn, then every rank waits for the others: a timed region starts with the ranks together (at
+    world 4, without this, a rank's first profiled kernel waited up to ~1 s for peers still in the previous
+    measurement, and torch.profiler's mean reported kernels of 10-96 ms: 2026-11-27 from 06:19 UTC)."""
+    for _ in range(warm):
         fn()
-    torch.cuda.synchronize()
+    tilecomm.barrier()  # (waits for this rank's kernels first)
+
+
+def per_call(fn, n=200):
+    line_up(fn, 10)
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -37,22 +45,36 @@ def per_call(fn, n=200):
     return (time.perf_counter() - t) / n * 1e6
 
 
+def _gpu_events(prof):
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
+
+
+def _median(times):
+    return round(sorted(times)[len(times) // 2], 1) if times else 0.0
+
+
 def kernels(fn, n=20):
+    """Median device µs per call of each kernel (medians: a call that waited for a late peer does not count)."""
+    line_up(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    return {e.key.strip("_")[:12]: round(e.device_time_total / n, 1) for e in p.key_averages() if e.device_time_total > 0}
+    times = {}
+    for e in _gpu_events(p):
+        times.setdefault(e.name.strip("_")[:12], []).append(e.device_time_total)
+    return {k: _median(v) for k, v in times.items()}
 
 
 def roles(fn, name, n=20):
-    """Device µs of the first and second launch of kernel `name` in each call of fn (two roles)."""
+    """Median device µs of the first and second launch of kernel `name` in each call of fn (two roles)."""
+    line_up(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    times = [e.device_time_total for e in p.events() if name in e.name and e.device_time_total > 0]
-    return round(sum(times[0::2]) / max(1, len(times[0::2])), 1), round(sum(times[1::2]) / max(1, len(times[1::2])), 1)
+    times = [e.device_time_total for e in _gpu_events(p) if name in e.name]
+    return _median(times[0::2]), _median(times[1::2])
 
 
 def main():
