@@ -265,3 +265,43 @@ def test_local_pool_listens_on_loopback_only(pool):
     for pid, sockets, _ in ranks:  # and the ranks' own sockets (gloo) too
         for addr, p in sockets:
             assert addr in loopback, f"rank pid {pid} listens on {addr}:{p}, not 127.0.0.1"
+
+
+def _low_latency_calls_rank_1_skips():
+    """Rank 0 queues two low-latency dispatch + combine calls (no host sync between them) that rank 1 never
+    makes: the first wait times out; the waits of the kernels queued behind it then give up at once (a wait
+    that has lasted a millisecond watches the error record), so the error reaches the host after about one
+    timeout, not one per queued kernel (four here)."""
+    from tilecomm.dispatch import Dispatcher
+    from tilecomm.errors import WaitTimeoutError
+
+    d = Dispatcher(8, 64, 4, 2, torch.float32, mode="low_latency")  # (collective: both ranks)
+    if tilecomm.rank() != 0:
+        return None
+    x, idx, w = torch.randn(4, 64, device="cuda"), torch.tensor([[0, 5], [1, 6], [2, 7], [3, 4]], device="cuda"), \
+        torch.rand(4, 2, device="cuda")
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                res = d.dispatch(x, idx, w)
+                d.combine(res.x, res.handle)
+        torch.cuda.synchronize()
+        tilecomm.check_errors()
+    except WaitTimeoutError as err:
+        return time.monotonic() - start, str(err)
+    raise AssertionError("rank 0's calls returned without a timeout")
+
+
+def test_kernels_queued_behind_a_timeout_give_up_at_once():
+    from conftest import BACKEND
+
+    if BACKEND != "cuda":
+        pytest.skip("device-side waits that time out into the error record: GPU ranks (TILECOMM_TEST_BACKEND=cuda)")
+    with tilecomm.RankPool(2, backend="cuda", env={"TILECOMM_TIMEOUT_S": str(T), "TILECOMM_HEAP_BYTES": "64MiB"}) as p:
+        try:
+            (seconds, text), skipped = p.run(_low_latency_calls_rank_1_skips, timeout_s=60 + 8 * T)
+        finally:
+            p.kill()  # rank 0's runtime waits for a peer that is gone
+    assert skipped is None and "rank 0" in text, text
+    assert T * 0.9 <= seconds < 2 * T, f"the error took {seconds:.1f} s to reach the host (timeout {T} s)"

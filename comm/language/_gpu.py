@@ -29,6 +29,7 @@ STATE_ADDR = tl.constexpr(0)
 TRANSPORT_NVSHMEM = tl.constexpr(_env.transport() == "nvshmem")
 CHECK = tl.constexpr(_env.check())  # TILECOMM_CHECK=1: bounds checks in put/get/symm_at/signal (debug)
 COPY_BLOCK = tl.constexpr(4096)  # elements per step of one program: 32 per thread at 4 warps
+WAIT_CHECKS_ERRORS_NS = tl.constexpr(1_000_000)  # a wait this long also watches the error record (`wait`)
 
 _NVSHMEM_BC: dict = {}
 
@@ -342,24 +343,33 @@ def _signal(sig, value, pe, op: tl.constexpr):
 def wait(sig, value, cmp: tl.constexpr):
     """Spin on the local word at sig, or on a block of words until every one holds (their acquire loads
     issued together: one round trip per poll, however many words); past the timeout, record the error
-    (the lowest failing word's address and value) and return."""
+    (the lowest failing word's address and value) and return. A wait that has lasted WAIT_CHECKS_ERRORS_NS
+    also returns once an error is recorded (e.g. an earlier wait of this rank timed out: a peer is gone, and
+    the kernels queued behind the first timeout give up in a millisecond each instead of a timeout each;
+    the host raises the recorded error at its next launch or check)."""
     state = _state_ptr()
     timeout = tl.load(state + STATE_TIMEOUT_NS)
+    err = tl.load(state + STATE_ERROR).to(tl.pointer_type(tl.int64))  # the record (pinned host memory)
     start = _globaltimer()
     one = tl.full((1,), 1, tl.int32)  # any shape -> at least one dimension, for the reductions
     cur = _load_acquire(sig)
     ok = tl.min(_compare(cur, value, cmp).to(tl.int32) & one, axis=0)
     while ok == 0:
-        if _globaltimer() - start > timeout:
-            bad = _compare(cur, value, cmp) == 0
-            addr = tl.min(tl.where(bad, sig.to(tl.int64), 9223372036854775807) + 0 * one, axis=0)
-            seen = tl.max(tl.where(sig.to(tl.int64) == addr, cur.to(tl.int64), -9223372036854775807) + 0 * one,
-                          axis=0)
-            _record(ERR_WAIT_TIMEOUT, addr, value, seen, cmp)
-            ok = tl.full((), 2, tl.int32)
-        else:
-            cur = _load_acquire(sig)
-            ok = tl.min(_compare(cur, value, cmp).to(tl.int32) & one, axis=0)
+        waited = _globaltimer() - start
+        if waited > WAIT_CHECKS_ERRORS_NS:
+            if tl.load(err, volatile=True) != 0:
+                ok = tl.full((), 3, tl.int32)  # (not recorded again: the first error stands)
+        if ok == 0:
+            if waited > timeout:
+                bad = _compare(cur, value, cmp) == 0
+                addr = tl.min(tl.where(bad, sig.to(tl.int64), 9223372036854775807) + 0 * one, axis=0)
+                seen = tl.max(tl.where(sig.to(tl.int64) == addr, cur.to(tl.int64), -9223372036854775807) + 0 * one,
+                              axis=0)
+                _record(ERR_WAIT_TIMEOUT, addr, value, seen, cmp)
+                ok = tl.full((), 2, tl.int32)
+            else:
+                cur = _load_acquire(sig)
+                ok = tl.min(_compare(cur, value, cmp).to(tl.int32) & one, axis=0)
     tl.debug_barrier()
     return cur
 
