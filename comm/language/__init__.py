@@ -19,7 +19,9 @@ All operations act for the whole program (one Triton program = one CUDA block):
                                     cmp to value; returns the word(s) (a token). Past TILECOMM_TIMEOUT_S
                                     it gives up: on CPU it raises WaitTimeoutError, on GPU it records
                                     the error and the host raises WaitTimeoutError at the next
-                                    launch/check (either way naming the first word that did not hold).
+                                    launch/check (either way naming the first word that did not hold);
+                                    a GPU wait that has lasted 1 ms also gives up once any error is
+                                    recorded (the kernels queued behind a first timeout end at once).
     consume_token(x, token)         x, made dependent on token (keeps loads after the wait)
     fence() / quiet()               order / complete this program's earlier puts
     barrier_all()                   all PEs meet (call from one program per kernel per rank)
