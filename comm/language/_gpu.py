@@ -343,10 +343,10 @@ def _signal(sig, value, pe, op: tl.constexpr):
 def wait(sig, value, cmp: tl.constexpr):
     """Spin on the local word at sig, or on a block of words until every one holds (their acquire loads
     issued together: one round trip per poll, however many words); past the timeout, record the error
-    (the lowest failing word's address and value) and return. A wait that has lasted WAIT_CHECKS_ERRORS_NS
-    also returns once an error is recorded (e.g. an earlier wait of this rank timed out: a peer is gone, and
-    the kernels queued behind the first timeout give up in a millisecond each instead of a timeout each;
-    the host raises the recorded error at its next launch or check)."""
+    (the lowest failing word's address and value) and return. From WAIT_CHECKS_ERRORS_NS on, a wait also reads
+    the error record once per WAIT_CHECKS_ERRORS_NS and returns once an error is recorded (e.g. an earlier
+    wait of this rank timed out: a peer is gone, and the kernels queued behind the first timeout give up in a
+    millisecond each instead of a timeout each; the host raises the recorded error at its next launch or check)."""
     state = _state_ptr()
     timeout = tl.load(state + STATE_TIMEOUT_NS)
     err = tl.load(state + STATE_ERROR).to(tl.pointer_type(tl.int64))  # the record (pinned host memory)
@@ -354,9 +354,11 @@ def wait(sig, value, cmp: tl.constexpr):
     one = tl.full((1,), 1, tl.int32)  # any shape -> at least one dimension, for the reductions
     cur = _load_acquire(sig)
     ok = tl.min(_compare(cur, value, cmp).to(tl.int32) & one, axis=0)
+    check_at = tl.full((), WAIT_CHECKS_ERRORS_NS, tl.int64)
     while ok == 0:
         waited = _globaltimer() - start
-        if waited > WAIT_CHECKS_ERRORS_NS:
+        if waited > check_at:  # once a millisecond: the record is host memory, a read crosses the bus
+            check_at = waited + WAIT_CHECKS_ERRORS_NS
             if tl.load(err, volatile=True) != 0:
                 ok = tl.full((), 3, tl.int32)  # (not recorded again: the first error stands)
         if ok == 0:
