@@ -11,10 +11,11 @@
 #          sweeps at world 1 (one GPU; DISPATCH_CONFIGS: dispatch_probe's --configs) -> $OUT/{dispatch,ll}_probe.log
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE); TEST_STOP="" runs on
-#          past a failure (default -x), TEST_FILES picks files; TEST_WORKERS=N runs N test files at a time
+#          past a failure (default -x), TEST_FILES picks files; TEST_WORKERS=N runs N test files at a time (TEST_DIST=load: N test cases)
 #          (pytest-xdist: the suite is bound by Triton compiling each kernel in every rank; their ranks then
 #          share the GPUs); TEST_K: pytest's -k expression (TEST_FILES is split on spaces: no quoted -k there); TEST_HEAP=1GiB gives the ranks the default GPU layout of the collectives (two
-#          programs per SM; the tests' 64 MiB heaps get one)  -> $OUT/tests.log
+#          programs per SM; the tests' 64 MiB heaps get one); TEST_AT_ONCE=1 runs the transports side by side
+#          -> $OUT/tests_<transport>.log
 #   bench  every tilecomm.bench op against NCCL, the MoE layer's three paths, torch's NVSHMEM all_to_all_vdev
 #          (torch_a2av: its own process) (needs 2+ GPUs; BENCH_RUNS: a ";"-separated subset, e.g.
 #          "ag_gemm;dispatch --mode low_latency;torch_a2av --uneven")  -> $OUT/bench_*.json
@@ -151,14 +152,18 @@ if has tests; then
   # one GPU: ranks share it (2-4 ranks); more GPUs: one rank per GPU, cases with more ranks skipped (on 2 H100s,
   # 3 ranks sharing 2 GPUs stalled in the first such test, 2026-11-25); TEST_SHARE=1 shares anyway
   share=${TEST_SHARE:-$([ "$NGPU" -eq 1 ] || [ "${TEST_WORKERS:-1}" -gt 1 ] && echo 1 || echo 0)}
-  for transport in ${TRANSPORTS:-nvlink nvshmem}; do
+  gpu_tests() {  # one transport: the tail of its log
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_HEAP_BYTES=${TEST_HEAP:-64MiB} TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout -s INT -k 30 "${TEST_TIMEOUT:-400}" \
       python3 -m pytest -v ${TEST_STOP--x} -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" ${TEST_K:+-k "$TEST_K"} \
-      ${TEST_WORKERS:+-n $TEST_WORKERS --dist loadfile} ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_collective_state.py tests/test_dispatch.py \
-      tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py tests/test_moe_layer.py} 2>&1 | tee -a "$OUT/tests.log" \
+      ${TEST_WORKERS:+-n $TEST_WORKERS --dist ${TEST_DIST:-loadfile}} ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_collective_state.py tests/test_dispatch.py \
+      tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py tests/test_moe_layer.py} 2>&1 | tee -a "$OUT/tests_$transport.log" \
       | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -25
+  }
+  for transport in ${TRANSPORTS:-nvlink nvshmem}; do  # TEST_AT_ONCE=1: the transports side by side, tables after
+    if [ -n "${TEST_AT_ONCE:-}" ]; then gpu_tests > "/tmp/tests_table_$transport" & else gpu_tests; fi
   done
+  wait; [ -n "${TEST_AT_ONCE:-}" ] && cat /tmp/tests_table_*
 fi
 
 if has bench && [ "$NGPU" -ge 2 ]; then  # BENCH_RUNS: ";"-separated "op flags" (default: every op of the issue)

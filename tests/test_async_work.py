@@ -26,9 +26,11 @@ def test_work_marks_the_stream_it_is_given():
     if not torch.cuda.is_available():
         pytest.skip("CUDA streams need a GPU")
     side = torch.cuda.Stream()
+    tensor = torch.zeros(1, device="cuda")  # before the sleep: loading a kernel's module the first time
+    torch.cuda.synchronize()  # (CUDA's lazy loading) synchronises the device, and the sleep with it
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # tens of ms on the side stream only
-    work = Work(torch.zeros(1, device="cuda"), side)
+    work = Work(tensor, side)
     assert not work.is_completed()  # the side stream is still asleep; the current one is idle
     work.wait()
     torch.cuda.current_stream().synchronize()
