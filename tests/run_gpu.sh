@@ -22,7 +22,8 @@
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, each of TRAIN_DISPATCHERS (one GPU: tilecomm; more: tilecomm
 #          nccl fused), TRAIN_STEPS steps; TRAIN_ARGS (default --no-checkpoint: the preset's final checkpoint, 33 GB at 4 GPUs,
 #          outlasted the phase's limit on 2026-11-26) -> $OUT/train_*.jsonl
-#   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU  -> $OUT/moe_layer.json
+#   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm, world 1, one GPU (MOE_ARGS: e.g. "--layers deepseek_v3")
+#          -> $OUT/moe_layer.json
 #   commprofile  tests/comm_profile.py: wall / host / kernel time of the collectives beside NCCL's (2+ GPUs)
 #          -> $OUT/comm_profile.log
 #   sweep  tests/collective_sweep.py: the collectives under other CollectiveState knobs (programs per SM, chunk,
@@ -133,7 +134,7 @@ if has overlapprofile && [ "$NGPU" -ge 2 ]; then
 fi
 
 if has moe; then
-  timeout "${MOE_TIMEOUT:-420}" python3 -m tilecomm.bench moe_layer --json "$OUT/moe_layer.json" 2>&1 \
+  timeout "${MOE_TIMEOUT:-420}" python3 -m tilecomm.bench moe_layer ${MOE_ARGS:-} --json "$OUT/moe_layer.json" 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/moe_layer.log"
 fi
 
