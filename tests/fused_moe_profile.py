@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import tilecomm
 from tilecomm.bench import measure
-from tilecomm.bench.moe_layer import PRESETS, _init, _step
+from tilecomm.bench.moe_layer import PRESETS, _init, _step, rel_diff
 from tilecomm.moe.layer import MoEConfig, MoELayer, make_dispatcher
 from tilecomm.overlap import FusedMoEWorkspace
 from tilecomm.overlap.moe_config import WIDE_LAYER, FusedGemm, FusedMoEConfig
@@ -116,17 +116,6 @@ def results(layer, x, grad_out, to_host: bool):
     y = _step(layer, x, grad_out)
     out = [y.detach(), x.grad] + [q.grad for q in layer.parameters()]
     return [t.to("cpu") if to_host else t for t in out]
-
-
-def rel_diff(a, ref, chunk: int = 1 << 26) -> float:
-    """|a - ref| / |ref| (Frobenius), in fp32 chunks on a's device (ref may be in host memory)."""
-    a, ref = a.reshape(-1), ref.reshape(-1)
-    diff = norm = 0.0
-    for i in range(0, ref.numel(), chunk):
-        r = ref[i:i + chunk].to(a.device).float()
-        diff += (a[i:i + chunk].float() - r).square().sum().item()
-        norm += r.square().sum().item()
-    return (diff / max(norm, 1e-60)) ** 0.5
 
 
 def profile_path(name, kind, layer, x, grad_out, steps, iters, reference=None):

@@ -140,7 +140,7 @@ fi
 
 if has moeprofile; then
   timeout "${MOE_PROFILE_TIMEOUT:-420}" torchrun --standalone --nproc-per-node "${MOE_PROFILE_GPUS:-1}" tests/fused_moe_profile.py --presets "${MOE_PRESETS:-pretrain,deepseek_v3}" --variants "${MOE_VARIANTS:-pretrain,deepseek_v3}" --only "${MOE_ONLY:-}" ${MOE_GAPS:+--gaps} \
-    --steps 2 --iters 8 --out "$OUT" 2>&1 | sed -u "s/.*named symbol not found//" | grep -v "µs .*x  " | grep -v "^\s*$"
+    --steps 2 --iters 20 --out "$OUT" 2>&1 | sed -u "s/.*named symbol not found//" | grep -v "µs .*x  " | grep -v "^\s*$"
 fi
 
 if has gemm; then
