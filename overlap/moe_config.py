@@ -22,17 +22,21 @@ class FusedGemm:
     else the second half of the grid waits). item_cols > 0 splits a row tile's output columns over items, so
     that the programs running at one time share an expert's weight columns in L2 (wide layers: whole-row
     items each stream all of their expert's weights); gate_up and down_grad then gather the rows in a launch
-    of their own first (`_gather_kernel`)."""
+    of their own first (`_gather_kernel`, gather_per_sm programs per SM: a copy wants more loads in flight
+    than one 4-warp program per SM keeps; 0: programs_per_sm)."""
 
     tiles: GemmConfig
     programs_per_sm: int = 1
     copy_cols: int = 64  # gate_up / down_grad: columns per step of the row copy into x_rows / g_rows
     item_cols: int = 0  # output columns per work item (a multiple of BLOCK_N); 0: all of a row tile's
+    gather_per_sm: int = 0  # programs per SM of the separate gather launch (item_cols > 0); 0: programs_per_sm
 
     def __post_init__(self):
         if self.item_cols < 0 or self.item_cols % self.tiles.BLOCK_N:
             raise ValueError(f"FusedGemm: item_cols={self.item_cols}; expected 0 or a positive multiple of "
                              f"BLOCK_N={self.tiles.BLOCK_N}")
+        if self.gather_per_sm < 0:
+            raise ValueError(f"FusedGemm: gather_per_sm={self.gather_per_sm}; expected 0 (programs_per_sm) or more")
 
 
 @dataclass(frozen=True)

@@ -234,12 +234,12 @@ class FusedMoEWorkspace:
             return torch.stack([p.T @ q for p, q in zip(a.split(counts), b.split(counts))])
         return _wgrad(a, b, offs, E_L, self.cfg.wgrad)
 
-    def _gemm_args(self, launch: FusedGemm, R: int, col_items: int = 1):
+    def _gemm_args(self, launch: FusedGemm, R: int, col_items: int = 1, per_sm: int = 0):
         """(grid, launch keywords) of a fused GEMM kernel over R rows: col_items items per BLOCK_M rows of an
-        expert (at most R / BLOCK_M + E_l row tiles)."""
+        expert (at most R / BLOCK_M + E_l row tiles); per_sm programs per SM (0: launch.programs_per_sm)."""
         g = launch.tiles
         tiles = (cdiv(R, g.BLOCK_M) + self.num_local_experts) * col_items
-        programs = min(tiles, launch.programs_per_sm * num_programs(tiles, self.device))
+        programs = min(tiles, (per_sm or launch.programs_per_sm) * num_programs(tiles, self.device))
         return (programs,), dict(
             BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, E_PAD=_P2(self.num_local_experts + 1),
             ACC=self._acc(), PRECISION=dot_precision(self.dtype), num_warps=g.num_warps, num_stages=g.num_stages)
@@ -254,7 +254,7 @@ class FusedMoEWorkspace:
         source rank and routing weight (the forward)."""
         st, f32 = self.state, torch.float32
         row_pair, row_src, row_w = records or (self._ptr(None, torch.int32),) * 2 + (self._ptr(None, f32),)
-        grid, kw = self._gemm_args(launch, R)
+        grid, kw = self._gemm_args(launch, R, per_sm=launch.gather_per_sm)
         self._gather_k.launch_keyed(grid, st.stage, st.words, st.pair_w, plan, offs, rows_buf, row_pair, row_src,
                                     row_w, self.seq[1], R, self.hidden, *self._shape_args(), rows_buf.stride(0),
                                     BLOCK_M=kw["BLOCK_M"], BLOCK_W=_P2(self.world_size), COPY_N=launch.copy_cols,

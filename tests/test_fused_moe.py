@@ -54,13 +54,14 @@ def _run(op, leaves, idx, grad_out, comm):
 
 def _split_columns_config() -> FusedMoEConfig:
     """The device's config with items that split a row tile's columns, in bands of 2 row tiles: scatter 16 of
-    H = 32 columns an item, gate_up and down_grad 8 of F = 16 (their rows gathered by a launch of their own)."""
+    H = 32 columns an item, gate_up and down_grad 8 of F = 16 (their rows gathered by a launch of their own,
+    with 3 programs per SM: another grid than the GEMM's)."""
     cfg = FusedMoEConfig.for_device(tilecomm.current().device, H, torch.float64)
 
     def split(launch: FusedGemm, cols: int) -> FusedGemm:
         t = launch.tiles
         return FusedGemm(GemmConfig(t.BLOCK_M, cols, t.BLOCK_K, 2, t.num_warps, t.num_stages, 1, False),
-                         launch.programs_per_sm, launch.copy_cols, item_cols=cols)
+                         launch.programs_per_sm, launch.copy_cols, item_cols=cols, gather_per_sm=3)
 
     return FusedMoEConfig(split(cfg.gate_up, 8), split(cfg.down_grad, 8), split(cfg.scatter, 16), cfg.block_h,
                           cfg.wgrad)
@@ -152,12 +153,14 @@ def test_fused_moe_bad_inputs(ranks):
     ranks(2).run(bad_inputs_body)
 
 
-def test_fused_gemm_item_cols_checked():
+def test_fused_gemm_item_cols_and_gather_programs_checked():
     tiles = GemmConfig(64, 128, 64, 8, 4, 3, 1, False)
     for bad in (-128, 100):
         with pytest.raises(ValueError, match="item_cols"):
             FusedGemm(tiles, item_cols=bad)
     assert FusedGemm(tiles, item_cols=256).item_cols == 256
+    with pytest.raises(ValueError, match="gather_per_sm=-1"):
+        FusedGemm(tiles, item_cols=128, gather_per_sm=-1)
 
 
 def test_wide_layers_get_split_column_items():
