@@ -161,6 +161,7 @@ if has tests; then
       tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_fused_moe.py tests/test_moe_layer.py} 2>&1 | tee -a "$OUT/tests_$transport.log" \
       | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -25
   }
+  rm -f /tmp/tests_table_*
   for transport in ${TRANSPORTS:-nvlink nvshmem}; do  # TEST_AT_ONCE=1: the transports side by side, tables after
     if [ -n "${TEST_AT_ONCE:-}" ]; then gpu_tests > "/tmp/tests_table_$transport" & else gpu_tests; fi
   done
