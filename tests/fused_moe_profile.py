@@ -149,9 +149,10 @@ VARIANTS = {  # None: the workspace's own choice (FusedMoEConfig.for_device); th
     "split, wgrad pointer stores": replace(WIDE_LAYER, wgrad=GemmConfig(128, 256, 64, 8, 8, 3, 1, False,
                                                                         POINTER_STORES=True)),
     "split, scatter 4 stages": replace(WIDE_LAYER, scatter=FusedGemm(_G(128, 256, 8, 4), item_cols=256)),
-    # sm_90 build (Triton 3.6): 126 registers, 98 KB of shared memory: two programs fit an SM, so one's epilogue
-    # (its rows stored to their sources) and pipeline fill run beside the other's main loop
-    "split, scatter 128x128 2 per SM": replace(WIDE_LAYER, scatter=FusedGemm(_G(128, 128, 8, 3), 2, item_cols=128)),
+    # sm_90 build with Triton 3.6 (the device's): 4 warps, 242 registers, 98 KB of shared memory: two programs fit
+    # an SM (8 warps take 142 registers: two would not), so one's epilogue (its rows stored to their sources) and
+    # pipeline fill can run beside the other's main loop
+    "split, scatter 128x128 2 per SM": replace(WIDE_LAYER, scatter=FusedGemm(_G(128, 128, 4, 3), 2, item_cols=128)),
     "split, gathers 4 per SM": replace(WIDE_LAYER, gate_up=replace(WIDE_LAYER.gate_up, gather_per_sm=4),
                                       down_grad=replace(WIDE_LAYER.down_grad, gather_per_sm=4)),
     "split, gate_up 2 per SM 4 warps": replace(WIDE_LAYER, gate_up=FusedGemm(_G(64, 128, 4, 3), 2, copy_cols=128,
