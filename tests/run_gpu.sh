@@ -11,8 +11,8 @@
 #          sweeps at world 1 (one GPU; DISPATCH_CONFIGS: dispatch_probe's --configs) -> $OUT/{dispatch,ll}_probe.log
 #   tests  the CPU suite's GPU-capable test bodies on GPU ranks, both transports; with one GPU the
 #          ranks share it (TILECOMM_TEST_SHARE_GPUS=1: correctness only; TEST_SHARE); TEST_STOP="" runs on
-#          past a failure (default -x), TEST_FILES picks files; TEST_WORKERS=N runs N test files at a time (TEST_DIST=load: N test cases)
-#          (pytest-xdist: the suite is bound by Triton compiling each kernel in every rank; their ranks then
+#          past a failure (default -x), TEST_FILES picks files; TEST_WORKERS=N runs N test files at a time
+#          (TEST_DIST=load: N test cases) (pytest-xdist: the suite is bound by Triton compiling each kernel in every rank; their ranks then
 #          share the GPUs); TEST_K: pytest's -k expression (TEST_FILES is split on spaces: no quoted -k there); TEST_HEAP=1GiB gives the ranks the default GPU layout of the collectives (two
 #          programs per SM; the tests' 64 MiB heaps get one); TEST_AT_ONCE=1 runs the transports side by side
 #          -> $OUT/tests_<transport>.log
