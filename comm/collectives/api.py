@@ -117,12 +117,15 @@ def _splits(what: str, name: str, splits: Optional[Sequence[int]], dim0: int, wo
     return splits
 
 
-def _offsets(counts: List[int]) -> List[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
+def _split_table(in_splits: List[int], out_splits: List[int], row: int) -> List[int]:
+    """The exchange kernel's split table, in elements: (offset, count) sent to each peer, then received from each."""
+    table = []
+    for splits in (in_splits, out_splits):
+        at = 0
+        for c in splits:
+            table += (at * row, c * row)
+            at += c
+    return table
 
 
 def _words(t: torch.Tensor):
@@ -140,11 +143,9 @@ def _a2a(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_sp
     rows = input.shape[0]
     row = (src.numel() // rows if rows else math.prod(input.shape[1:]) * scale)
     if in_splits == out_splits and in_splits.count(in_splits[0]) == len(in_splits):
-        ctx.collectives.exchange(src, out, None, None, in_splits[0] * row, gather=False)
+        ctx.collectives.exchange(src, out, None, in_splits[0] * row, gather=False)
         return
-    send = [(o * row, c * row) for o, c in zip(_offsets(in_splits), in_splits)]
-    recv = [(o * row, c * row) for o, c in zip(_offsets(out_splits), out_splits)]
-    ctx.collectives.exchange(src, out, send, recv, 0, gather=False)
+    ctx.collectives.exchange(src, out, _split_table(in_splits, out_splits, row), 0, gather=False)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -183,7 +184,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def _all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
     src, _ = _words(input)
     out, _ = _words(output)
-    runtime.current().collectives.exchange(src, out, None, None, src.numel(), gather=True)
+    runtime.current().collectives.exchange(src, out, None, src.numel(), gather=True)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, code: int) -> None:

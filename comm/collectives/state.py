@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton.language as tl
@@ -181,10 +181,9 @@ class CollectiveState:
         self._heap_views, self._bound = {}, {}
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _table(self, send: Sequence[Tuple[int, int]], recv: Sequence[Tuple[int, int]]) -> torch.Tensor:
-        """A pinned split table for one call: (offset, count) per peer, sent then received."""
-        flat = [v for pair in send for v in pair] + [v for pair in recv for v in pair]
-        if self.ctx.backend == "cuda" and torch.cuda.is_current_stream_capturing():
+    def _table(self, flat: List[int], capturing: bool) -> torch.Tensor:
+        """A pinned split table for one call: flat = (offset, count) per peer, sent then received."""
+        if capturing:
             table = torch.tensor(flat, dtype=torch.int64).pin_memory()  # lives as long as the graph may replay
             self._graph_tables.append(table)
             return table
@@ -196,9 +195,8 @@ class CollectiveState:
         return self._table_views[i]
 
     def _after_launch(self) -> None:
-        """Mark the table slot _table just handed out as in use until the queued kernel has run."""
-        if self.ctx.backend != "cuda" or torch.cuda.is_current_stream_capturing():
-            return
+        """Mark the table slot _table just handed out as in use until the queued kernel has run (GPU, not
+        capturing)."""
         i = self._last_table
         event = self._table_events[i] or torch.cuda.Event()
         event.record()
@@ -241,21 +239,24 @@ class CollectiveState:
         return config
 
     # -- the collectives ----------------------------------------------------------------------------
-    def exchange(self, src: torch.Tensor, out: torch.Tensor, send: Optional[Sequence[Tuple[int, int]]],
-                 recv: Optional[Sequence[Tuple[int, int]]], n_even: int, gather: bool) -> None:
-        """all_to_all / all_gather on contiguous tensors (any shape, elements of 1-8 bytes). send[p] /
-        recv[p] = (element offset, count) to / from p; None with n_even elements per pair (offset
-        p * n_even, or 0 for gather)."""
+    def exchange(self, src: torch.Tensor, out: torch.Tensor, splits: Optional[List[int]], n_even: int,
+                 gather: bool) -> None:
+        """all_to_all / all_gather on contiguous tensors (any shape, elements of 1-8 bytes). splits: the
+        (element offset, count) to each peer p at [2p, 2p + 1], then from each at [2W + 2p, 2W + 2p + 1]
+        (the kernel's table); None with n_even elements per pair (offset p * n_even, or 0 for gather)."""
         elem = src.element_size()
-        even = send is None
+        even = splits is None
+        capturing = False
         if even:  # offsets are multiples of n_even
             send_ok = recv_ok = n_even * elem % 16 == 0
         else:
-            send_ok = all(o * elem % 16 == 0 for o, _ in send)
-            recv_ok = all(o * elem % 16 == 0 for o, _ in recv)
+            W2 = len(splits) // 2
+            send_ok = all(o * elem % 16 == 0 for o in splits[0:W2:2])
+            recv_ok = all(o * elem % 16 == 0 for o in splits[W2::2])
+            capturing = not self._on_cpu and torch.cuda.is_current_stream_capturing()
         in_heap_off, in_place = self._placement(src, send_ok)
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
-        table = self.words if even else self._table(send, recv)
+        table = self.words if even else self._table(splits, capturing)
         key = ("pairs", elem, aligned, even, gather, in_place)
         bound = self._bound.get((src.dtype, out.dtype) + key)
         if bound is None:  # varying: src, out, table, in_heap_off, n_even
@@ -264,7 +265,7 @@ class CollectiveState:
                 [src, out, self._heap_views[torch.uint8], self.words, table, self._error, self._ring_offset // elem,
                  in_heap_off, n_even, self.programs_per_peer], (0, 1, 4, 7, 8), **self._launch_config(key))
         bound.launch(self._pairs_grid, src, out, table, in_heap_off, n_even)
-        if not even:
+        if not (even or self._on_cpu or capturing):
             self._after_launch()
         if self._on_cpu:
             self._raise_mismatch_now()
