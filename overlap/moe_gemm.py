@@ -6,7 +6,7 @@ route kernel's plan). Every kernel is persistent: programs walk items pid, pid +
 BLOCK_M rows of one expert (the loop over output column tiles is inside, so a row tile's rows are finished,
 and signalled, by one program). Rows that arrive from other ranks are read by index once per row tile and
 copied into the row buffer the weight gradient needs anyway; every product then reads both operands by TMA
-(`_tile_dot`, the tile GEMM's main loop: one dot per step; a proxy fence makes the program's own row stores
+(`tiles.tile_product_acc`, the tile GEMM's main loop: one dot per step; a proxy fence makes the program's own row stores
 visible to its TMA reads). On sm_90 with Triton 3.6 a pointer-gathered dot operand (cp.async-pipelined) gave
 wrong products: the up half of gate_up, scattered elements of the down-projection backward.
 
@@ -37,7 +37,7 @@ from tilecomm.dispatch._device import last_of, peer_offset, wait_all
 
 from .grouped import _expert_table, _pick
 from .moe_comm import wait_words
-from .tiles import b_desc3, desc3, proxy_fence, split_cols, tile_position
+from .tiles import b_desc3, desc3, proxy_fence, split_cols, tile_position, tile_product_acc
 
 
 @triton.jit
@@ -95,23 +95,6 @@ def _copy_rows(stage_ptr, staged, rows_ptr, r, ok, H, stride, BLOCK_M: tl.conste
         tl.store(rows_ptr + r[:, None].to(tl.int64) * stride + cols[None, :], v, mask=m)
     proxy_fence(tl.full((), 0, tl.int32))
     tl.debug_barrier()
-
-
-@triton.jit
-def _tile_dot(a_desc, off_m, b_desc, e, off_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
-    """ACC [BLOCK_M, BLOCK_N] = A[off_m:+BLOCK_M, :K] @ B_e[:, off_n:+BLOCK_N] (B_e [K, N], or read from [N, K]
-    with B_TRANS), zero past the edges; A's descriptor is [1, rows, K]. out_dtype=ACC: fp64 data accumulates
-    in fp64 (Triton 3.6 asserts otherwise)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-    for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([0, off_m, k * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
-        if B_TRANS:
-            b = b_desc.load([e, off_n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-        else:
-            b = b_desc.load([e, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
-    return acc
 
 
 @triton.jit
@@ -232,7 +215,7 @@ def _down_grad_kernel(stage_ptr, words_ptr, w_ptr, plan_ptr, offs_ptr, row_w_ptr
         wt = tl.load(row_w_ptr + r, mask=ok, other=0.0).to(ACC)
         gw = tl.zeros((BLOCK_M,), ACC)
         for n in range(pid_c * ITEM_N, tl.minimum(F, pid_c * ITEM_N + ITEM_N), BLOCK_N):
-            acc = _tile_dot(g_desc, off_m, w_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION, ACC)
+            acc = tile_product_acc(g_desc, 0, off_m, w_desc, e, n, H, BLOCK_M, BLOCK_N, BLOCK_K, True, PRECISION, ACC)
             # the epilogue in two column halves (registers: h's gate and up columns are loaded for it)
             acc0, acc1 = split_cols(acc, BLOCK_M, BLOCK_N)
             gw += _swiglu_backward(acc0, wt, h_ptr, dh_ptr, act_w_ptr, r, ok, F, n, BLOCK_N // 2, ACC)
@@ -266,8 +249,8 @@ def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr,
         src = tl.load(row_src_ptr + r, mask=ok, other=0)
         dst = peer_offset(back_ptr, src, ALIGN) + pair * N  # element offsets of the rows on their sources
         for n in range(pid_c * ITEM_N, tl.minimum(N, pid_c * ITEM_N + ITEM_N), BLOCK_N):
-            acc = _tile_dot(a_desc, off_m, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
-                            PRECISION, ACC)
+            acc = tile_product_acc(a_desc, 0, off_m, w_desc, e, n, KA, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
+                                   PRECISION, ACC)
             y = acc.to(dtype)  # rounded as the unfused grouped GEMM's output
             cols = n + tl.arange(0, BLOCK_N)
             tl.store(back_ptr + dst[:, None] + cols[None, :], y, mask=ok[:, None] & (cols < N)[None, :])
