@@ -73,8 +73,9 @@ class FusedEngine:
         self.land_bt = tpp * max(1, 16 // tpp)
         self._done = torch.zeros((W, max_tokens), dtype=torch.int32, device=dev)
         self._sig = [self.state.sig[i] for i in range(3)]
-        self._info = torch.zeros(5, dtype=torch.int64, device=dev)  # R, N, min id, max id, most tokens of a source
-        self._info_host = torch.zeros(5, dtype=torch.int64, pin_memory=self.cuda)
+        # R, N, min id, max id, most tokens of a source: written by the route kernel straight into pinned host
+        # memory (its device-mapped address), read by the host after the route's event: no copy to queue
+        self._info = torch.zeros(5, dtype=torch.int64, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
         # the expand and combine_recv launch as programmatic dependents of the send / combine_send (normal.py,
         # steps 3 and 5): sm_90 GPUs, config.trailing
@@ -97,7 +98,7 @@ class FusedEngine:
         if t is not None and t.numel():
             return t
         if dtype not in self._dummies:
-            self._dummies[dtype] = torch.zeros(16, dtype=dtype, device=self._info.device)
+            self._dummies[dtype] = torch.zeros(16, dtype=dtype, device=self._totals.device)
         return self._dummies[dtype]
 
     def _typed(self, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -134,7 +135,6 @@ class FusedEngine:
                 BLOCK_EL=_P2(E_L), ROW_ENDS=False, num_warps=cfg.num_warps)
         route.launch((max(1, cdiv(T, self.bt)),), topk_arg, plan, plan, T, self.seq[0])
         if self.cuda:
-            self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()
         # the send's inputs stay referenced until the expand is queued: the allocations below then cannot take
         # memory the send (maybe still running) reads, which the expand, beside it, would write unordered
@@ -143,7 +143,7 @@ class FusedEngine:
         token_rows = torch.empty((W * self.M, K), dtype=torch.int32, device=x.device)  # >= N rows; made before the sync
         if self.cuda:
             self._event.synchronize()  # the one host sync: R and N size the outputs
-        R, N, lo, hi, most = (self._info_host if self.cuda else self._info).tolist()
+        R, N, lo, hi, most = self._info.tolist()
         out = torch.empty((R, x.shape[1]), dtype=x.dtype, device=x.device)
         out_w = torch.empty(R, dtype=torch.float32, device=x.device)
         out2 = None if x2 is None else torch.empty((R, x2.shape[1]), dtype=x2.dtype, device=x.device)

@@ -82,8 +82,10 @@ class FusedMoEConfig:
 # ffn 2048, 256 experts: 58.7 MB of w_gate_up per expert) gate_up 7978 -> 4534 µs, down_grad 5931 -> 2976,
 # scatter 9805 -> 8267 (both calls), the layer 37227 -> 30599 µs; whole-row items stay the default of the
 # pretraining layer (1536, ffn 768: 4.7 MB per expert; split items not measured there). In between: not measured.
+# gate_up's gather with two programs per SM (its 4-warp program: 255 registers under Triton 3.6, so two fit):
+# both gathers 625 -> 546 µs, the layer 30470 -> 30315 µs (2026-11-27, one H200).
 WIDE_EXPERT_BYTES = 16 << 20
 _SPLIT = lambda m, n, warps, stages: GemmConfig(m, n, 64, 8, warps, stages, 1, False)  # noqa: E731
-WIDE_LAYER = FusedMoEConfig(gate_up=FusedGemm(_SPLIT(64, 128, 8, 4), copy_cols=128, item_cols=128),
+WIDE_LAYER = FusedMoEConfig(gate_up=FusedGemm(_SPLIT(64, 128, 8, 4), copy_cols=128, item_cols=128, gather_per_sm=2),
                             down_grad=FusedGemm(_SPLIT(64, 128, 4, 3), 2, item_cols=128),
                             scatter=FusedGemm(_SPLIT(128, 256, 8, 3), item_cols=256))

@@ -139,8 +139,9 @@ class FusedMoEWorkspace:
         # scatter: items done per row tile (at most W * M * K rows received), reset by the kernel after each launch
         self._row_tiles_done = torch.zeros(cdiv(W * max_tokens_per_rank * topk, self.cfg.scatter.tiles.BLOCK_M)
                                            + self.num_local_experts + 1, dtype=torch.int32, device=dev)
-        self._info = torch.zeros(5, dtype=torch.int64, device=dev)  # R, N, min id, max id, most tokens of a source
-        self._info_host = torch.zeros(5, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        # R, N, min id, max id, most tokens of a source: the route kernel writes them straight into pinned host
+        # memory (its device-mapped address); the host reads them after the route's event
+        self._info = torch.zeros(5, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._event = torch.cuda.Event() if dev.type == "cuda" else None
         self._dummies: dict = {}
         # the kernels' launchers: after a configuration's first launch, no Triton argument binding per call
@@ -177,7 +178,7 @@ class FusedMoEWorkspace:
     # -- launches ------------------------------------------------------------------------------------
     def _route(self, topk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The Dispatcher's route kernel on this workspace's notify buffers -> (plan, offs [E_l] int32 row ends of
-        the local experts); starts the host copy of (R, N, lo, hi)."""
+        the local experts); records the event after which the host reads (R, N, lo, hi)."""
         W, E, E_L, K = self.world_size, self.num_experts, self.num_local_experts, self.topk
         self.seq[0] += 1
         parity = self.seq[0] % 2
@@ -190,7 +191,6 @@ class FusedMoEWorkspace:
             self.seq[0], E, E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
             BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), ROW_ENDS=True, num_warps=4)
         if self._event is not None:
-            self._info_host.copy_(self._info, non_blocking=True)
             self._event.record()
         return plan, offs
 
@@ -198,7 +198,7 @@ class FusedMoEWorkspace:
         """(R, min id, max id) of the last route: the one host sync."""
         if self._event is not None:
             self._event.synchronize()
-        R, _, lo, hi, _ = (self._info_host if self._event is not None else self._info).tolist()
+        R, _, lo, hi, _ = self._info.tolist()
         return R, lo, hi
 
     def _send(self, x, topk, weights, slots) -> None:
@@ -313,14 +313,16 @@ class FusedMoEWorkspace:
         item_n = self._item_cols(launch, F)
         gather = item_n >= F  # one item per row tile: it gathers its rows itself
         R, lo, hi = self._received()
+        # after the sync the GPU is idle until the first kernel below: that kernel's buffers first, in few allocations
         rows = max(R, 1)  # kernels and descriptors get at least one row
-        h = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
-        act = torch.empty((rows, F), dtype=self.dtype, device=dev)
         x_rows = self._rows_buffer(rows, H)  # the GEMM's A operand (TMA), kept for w_gate_up's gradient
-        row_pair, row_src = (torch.empty(rows, dtype=torch.int32, device=dev) for _ in range(2))
-        row_w = torch.empty(rows, dtype=torch.float32, device=dev)
+        # each row's pair, source and routing weight; rows of 16 bytes' multiples keep the kernels' pointers aligned
+        records = torch.empty((3, cdiv(rows, 4) * 4), dtype=torch.int32, device=dev)[:, :rows]
+        row_pair, row_src, row_w = records[0], records[1], records[2].view(torch.float32)
         if not gather:
             self._gather(launch, R, plan, offs, x_rows, (row_pair, row_src, row_w))
+        h = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
+        act = torch.empty((rows, F), dtype=self.dtype, device=dev)
         grid, kw = self._gemm_args(launch, R, cdiv(F, item_n))
         self._gate_up_k.launch_keyed(
             grid,

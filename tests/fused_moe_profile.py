@@ -153,10 +153,7 @@ VARIANTS = {  # None: the workspace's own choice (FusedMoEConfig.for_device); th
     # an SM (8 warps take 142 registers: two would not), so one's epilogue (its rows stored to their sources) and
     # pipeline fill can run beside the other's main loop
     "split, scatter 128x128 2 per SM": replace(WIDE_LAYER, scatter=FusedGemm(_G(128, 128, 4, 3), 2, item_cols=128)),
-    # the gather kernel's 4-warp program takes 255 registers (Triton 3.6, sm_90; its copy steps' 64-bit addresses):
-    # two fit an SM
-    "split, gathers 2 per SM": replace(WIDE_LAYER, gate_up=replace(WIDE_LAYER.gate_up, gather_per_sm=2),
-                                      down_grad=replace(WIDE_LAYER.down_grad, gather_per_sm=2)),
+    "split, gate_up gather 1 per SM": replace(WIDE_LAYER, gate_up=replace(WIDE_LAYER.gate_up, gather_per_sm=0)),
     "split, gate_up 2 per SM 4 warps": replace(WIDE_LAYER, gate_up=FusedGemm(_G(64, 128, 4, 3), 2, copy_cols=128,
                                                                           item_cols=128)),
 }
