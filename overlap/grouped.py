@@ -31,6 +31,10 @@ from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, desc3, dot_precision, 
 # Weight-gradient configs, per loop form (`python -m tilecomm.bench.gemm --sweep-grouped ...`, one H100, 2026-11-25).
 _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),
           "cpu": GemmConfig(16, 16, 16, 1, 1, 1, 1, False)}
+# A third form was built and measured (2026-11-27, one H200, tests/wgrad_probe.py): x's tile held in registers
+# over a strip of N tiles, so that only dy's rows are loaded per tile (1.0 byte loaded per byte stored instead
+# of 1.5): 1.3-1.9x slower than flat on every shape (DeepSeek-like gate_up 9350 vs 6909 µs); not kept. The
+# stores alone (the same tiles, no loads or MMA) run at 3.8-4.0 TB/s, so the flat kernel's 2.2 is its chain.
 # The flat form up to this many rows per expert on average. Measured: ~128 rows, flat 1.63x faster than per item
 # (H100); ~512 rows (the DeepSeek-like layer's share at EP = 4), per item 1.18x / 1.06x faster on gate_up / down
 # (H200, tests/wgrad_probe.py, 2026-11-27); ~1536 rows, per item 1.23x faster; ~2048 rows, 1.43x. 256: not measured.
@@ -207,6 +211,8 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
 _ROWS = CachedLaunch(_rows_kernel)
 _WGRAD_LAUNCH = CachedLaunch(_wgrad_kernel)
 _WGRAD_FLAT = CachedLaunch(_wgrad_flat_kernel)
+_WGRAD_FORMS = {"per_item": _WGRAD_LAUNCH, "flat": _WGRAD_FLAT}
+WGRAD_FORMS = tuple(_WGRAD_FORMS)
 
 
 def _check(x, w, offs, check_offs: bool) -> None:
@@ -265,23 +271,25 @@ def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
                 PRECISION=dot_precision(x.dtype), E_PAD=next_pow2(E + 1))
 
 
-def _wgrad(x, dy, offs, E: int, config, flat: bool | None = None) -> torch.Tensor:
-    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]. flat: the loop form (None: the flat one when the
-    experts have at most FLAT_MAX_ROWS rows on average); config: a GemmConfig, else _WGRAD's for the form."""
+def _wgrad(x, dy, offs, E: int, config, form: str | None = None) -> torch.Tensor:
+    """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]. form: the kernel, one of WGRAD_FORMS (None: the
+    flat one when the experts have at most FLAT_MAX_ROWS rows on average, else per item); config: a GemmConfig,
+    else _WGRAD's for the form."""
     (R, K), N = x.shape, dy.shape[1]
     dw = torch.empty((E, K, N), dtype=x.dtype, device=x.device)
     if R == 0 or K == 0 or N == 0:
         return dw.zero_()
+    if form is None:
+        form = "flat" if R <= FLAT_MAX_ROWS * E else "per_item"
+    if form not in WGRAD_FORMS:
+        raise ValueError(f"_wgrad: form={form!r}; expected one of {WGRAD_FORMS} or None")
     x_t, _ = tma_operand(x)
     dy_t, _ = tma_operand(dy.contiguous())
-    if flat is None:
-        flat = R <= FLAT_MAX_ROWS * E
-    form = "flat" if flat else "per_item"
     cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
     tiles = E * cdiv(K, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
-    extra = {"E_PAD": next_pow2(E + 1)} if flat else {}
+    extra = {"E_PAD": next_pow2(E + 1)} if form == "flat" else {}
     aligned = dw.stride(1) * dw.element_size() % 16 == 0
-    launch_gemm(_WGRAD_FLAT if flat else _WGRAD_LAUNCH, tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0),
+    launch_gemm(_WGRAD_FORMS[form], tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0),
                 dy_t.stride(0), dw.stride(0), dw.stride(1), C_TMA=aligned and not cfg.POINTER_STORES,
                 PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **extra)
     return dw

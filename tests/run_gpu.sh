@@ -34,7 +34,8 @@
 #   llncu  ncu of the third low-latency dispatch and combine kernel at world 1 (tests/ll_probe.py --once; one GPU):
 #          duration, occupancy, warp stall reasons; the report and its SASS-level source page -> $OUT/ll_*.ncu-rep, *_sass.csv
 #   wgradprobe  tests/wgrad_probe.py: the expert weight-gradient kernel beside torch._grouped_mm and the write ceiling
-#          (zero_ / copy_ of the same bytes), one GPU (WGRAD_CONFIGS / WGRAD_SHAPES: its --configs / --shapes)
+#          (zero_ / copy_ of the same bytes), one GPU (WGRAD_CONFIGS / WGRAD_SHAPES: its --configs / --shapes; WGRAD_ARGS:
+#          more flags, e.g. --store-tiles)
 #          -> $OUT/wgrad_probe.log
 #   wgradncu  ncu of the DeepSeek-like gate_up weight-gradient kernel (tests/wgrad_probe.py --once): throughput of
 #          DRAM / L2 / SM, warp stall reasons -> $OUT/wgrad.ncu-rep
@@ -86,7 +87,7 @@ if has llncu; then  # one low-latency dispatch and combine kernel of world 1 und
 fi
 
 if has wgradprobe; then
-  timeout "${WGRAD_PROBE_TIMEOUT:-240}" python3 tests/wgrad_probe.py ${WGRAD_CONFIGS:+--configs "$WGRAD_CONFIGS"} \
+  timeout "${WGRAD_PROBE_TIMEOUT:-240}" python3 tests/wgrad_probe.py ${WGRAD_ARGS:-} ${WGRAD_CONFIGS:+--configs "$WGRAD_CONFIGS"} \
     ${WGRAD_SHAPES:+--shapes "$WGRAD_SHAPES"} 2>&1 \
     | grep -v "named symbol not found\|UserWarning\|_warn_once" | tee "$OUT/wgrad_probe.log"
 fi
