@@ -43,14 +43,17 @@ WGRAD = dict({k: v for k, v in GEMM.items() if k not in ("B_TRANS", "WARP_SPECIA
 WGRAD_SIG = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
              "N": "i32", "E": "i32", "stride_xm": "i32", "stride_dym": "i32", "stride_dwe": I64, "stride_dw": "i32",
              **{k: "constexpr" for k in WGRAD}}
+PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_ptr": I64P, "table_ptr": I64P,
+             "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n_even": I64, "P": "i32",
+             **{f"t{p}": I64 for p in range(8)},
+             **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "MOVE", "TAG", "CHUNK", "DEPTH", "BLOCK", "VEC",
+                                         "TABLE_ARGS")}}
+PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536,
+         "DEPTH": 2, "BLOCK": 16384, "VEC": 8}
 CASES = [
-    (ex._pairs_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_ptr": I64P, "table_ptr": I64P,
-                        "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n_even": I64, "P": "i32",
-                        "EVEN": "constexpr", "GATHER": "constexpr", "IN_PLACE": "constexpr", "MOVE": "constexpr",
-                        "TAG": "constexpr", "CHUNK": "constexpr", "DEPTH": "constexpr", "BLOCK": "constexpr",
-                        "VEC": "constexpr"},
-     {"EVEN": False, "GATHER": False, "IN_PLACE": False, "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536,
-      "DEPTH": 2, "BLOCK": 16384, "VEC": 8}),
+    # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
+    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
+    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=True)),
     (ex._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P,
                          "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
                          "OP": "constexpr", "ACC": "constexpr", "AVG": "constexpr", "IN_PLACE": "constexpr",

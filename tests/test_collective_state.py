@@ -232,7 +232,7 @@ def test_ring_steps_are_powers_of_two_for_any_workspace(backend):
                 state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = chunk, st._BLOCK_BYTES, 8, st.DEPTH
                 state._configs, state._max_w, state.rs_stagger = {}, 8, False
                 for elem in (1, 2, 4, 8):
-                    for key in (("pairs", elem, True, True, False, False),
+                    for key in (("pairs", elem, True, True, False, False, False),
                                 ("reduce", elem, True, 0, False, False, "acc")):
                         c = state._launch_config(key)
                         steps = [c["BLOCK"]] + ([c["PUSH_BLOCK"]] if "PUSH_BLOCK" in c else [])

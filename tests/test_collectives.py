@@ -5,7 +5,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import triton.language as tl
+
 import tilecomm
+from tilecomm.collectives import _exchange as kx, state as state_module
+from tilecomm.collectives.state import TABLE_ARG_RANKS
 from tilecomm.errors import PeerMismatchError
 from _reference import all_to_all_ref, dev, gather_all, poison, reduce_scatter_ref, uneven_splits
 from conftest import BACKEND
@@ -50,6 +54,23 @@ def a2a_uneven(seed, dtype, hidden, symmetric):
 def test_all_to_all_single_uneven(ranks, world, dtype):
     rows = ranks(world).run(a2a_uneven, world, dtype, 5, False)
     assert len(rows) == world
+
+
+def a2a_uneven_pinned_table(seed, dtype, hidden):
+    """a2a_uneven through the pinned split table that worlds of more than TABLE_ARG_RANKS ranks use."""
+    state = tilecomm.current().collectives
+    state.table_arg_ranks = 0
+    try:
+        a2a_uneven(seed, dtype, hidden, False)
+        a2a_uneven(seed + 1, dtype, hidden, False)  # the next table slot
+    finally:
+        state.table_arg_ranks = TABLE_ARG_RANKS
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_all_to_all_single_uneven_pinned_table(ranks, world, dtype):
+    ranks(world).run(a2a_uneven_pinned_table, world, dtype, 5)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -313,3 +334,30 @@ def different_collectives():
 
 def test_ranks_in_different_collectives_raise(ranks):
     ranks(2).run(different_collectives)
+
+
+@tilecomm.jit
+def _packed_counts_kernel(out_ptr, t0, t1, t2, t3, t4, t5, t6, t7):
+    p = tl.program_id(0)
+    s_before, s_rows = kx._packed_counts(p, t0, t1, t2, t3, t4, t5, t6, t7, False)
+    r_before, r_rows = kx._packed_counts(p, t0, t1, t2, t3, t4, t5, t6, t7, True)
+    tl.store(out_ptr + 4 * p, s_before)
+    tl.store(out_ptr + 4 * p + 1, s_rows)
+    tl.store(out_ptr + 4 * p + 2, r_before)
+    tl.store(out_ptr + 4 * p + 3, r_rows)
+
+
+@pytest.mark.skipif(not BACKEND_IS_CPU, reason="one interpreted kernel, no ranks")
+@pytest.mark.parametrize("world", [1, 5, 8])
+def test_packed_counts_of_eight_ranks(world):
+    """The element counts an uneven all_to_all of up to 8 ranks passes as kernel arguments, unpacked by every
+    peer's program: elements before its own and its own, sent and received (zeros, large counts, absent peers)."""
+    gen = torch.Generator().manual_seed(world)
+    sent = torch.randint(0, 1 << 26, (world,), generator=gen).tolist()
+    recv = torch.randint(0, 1 << 26, (world,), generator=gen).tolist()
+    sent[0], recv[-1] = 0, 0
+    words = [state_module._MARK | r << 32 | s for s, r in zip(sent, recv)] + [0] * (8 - world)
+    out = torch.full((8, 4), -1, dtype=torch.int64)
+    _packed_counts_kernel[(world,)](out, *words)
+    for p in range(world):
+        assert out[p].tolist() == [sum(sent[:p]), sent[p], sum(recv[:p]), recv[p]], f"peer {p}"

@@ -171,16 +171,43 @@ def _words(words_ptr, P):
     return words_ptr, words_ptr + 4 * S, words_ptr + 5 * S, words_ptr + 6 * S, words_ptr + 7 * S
 
 
-@jit(do_not_specialize=["ring_off", "in_heap_off", "n_even", "P"])
+@jit
+def _packed_counts(peer, t0, t1, t2, t3, t4, t5, t6, t7, HIGH: tl.constexpr):
+    """(elements before `peer`'s, elements of `peer`) from the packed counts t_p of peers 0..7: bit 62 set (so
+    that every word is an int64 argument), elements received from p in bits 32-61, sent to p in bits 0-31
+    (HIGH: the received ones). Words of peers past the world are 0 and never picked. Summed in int32: the
+    caller keeps each direction's total below 2^30 elements."""
+    c0, c1, c2, c3 = _half(t0, HIGH), _half(t1, HIGH), _half(t2, HIGH), _half(t3, HIGH)
+    c4, c5, c6, c7 = _half(t4, HIGH), _half(t5, HIGH), _half(t6, HIGH), _half(t7, HIGH)
+    before = (tl.where(peer > 0, c0, 0) + tl.where(peer > 1, c1, 0) + tl.where(peer > 2, c2, 0)
+              + tl.where(peer > 3, c3, 0) + tl.where(peer > 4, c4, 0) + tl.where(peer > 5, c5, 0)
+              + tl.where(peer > 6, c6, 0))
+    count = tl.where(peer == 0, c0, tl.where(peer == 1, c1, tl.where(peer == 2, c2, tl.where(
+        peer == 3, c3, tl.where(peer == 4, c4, tl.where(peer == 5, c5, tl.where(peer == 6, c6, c7)))))))
+    return before.to(tl.int64), count.to(tl.int64)
+
+
+@jit
+def _half(t, HIGH: tl.constexpr):
+    t = tl.cast(t, tl.int64)  # (an argument of 1 is a constexpr)
+    if HIGH:
+        return ((t >> 32) % (1 << 30)).to(tl.int32)
+    return (t % (1 << 32)).to(tl.int32)
+
+
+@jit(do_not_specialize=["ring_off", "in_heap_off", "n_even", "P", "t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7"])
 def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring_off, in_heap_off, n_even, P,
+                  t0, t1, t2, t3, t4, t5, t6, t7,
                   EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr, MOVE: tl.constexpr,
                   TAG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
-                  VEC: tl.constexpr):
+                  VEC: tl.constexpr, TABLE_ARGS: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
     the input). in, out and heap are moved as MOVE (an integer type of the element's width, so the
     caller passes its tensors as they are). Offsets and counts in elements; with EVEN every pair moves
-    n_even elements, else table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ...
-    received from p."""
+    n_even elements; with TABLE_ARGS (up to 8 ranks) t_p packs the elements sent to p (low 32 bits) and
+    received from p (high 32 bits), so no program reads a table; else
+    table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ... received from p
+    (pinned host memory)."""
     in_ptr = in_ptr.to(tl.pointer_type(MOVE))
     out_ptr = out_ptr.to(tl.pointer_type(MOVE))
     heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
@@ -202,6 +229,9 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
         s_cnt = n_even + 0 * s_off
         r_off = src.to(tl.int64) * n_even
         r_cnt = s_cnt
+    elif TABLE_ARGS:
+        s_off, s_cnt = _packed_counts(dst, t0, t1, t2, t3, t4, t5, t6, t7, False)
+        r_off, r_cnt = _packed_counts(src, t0, t1, t2, t3, t4, t5, t6, t7, True)
     else:
         s_off = tl.load(table_ptr + 2 * dst)
         s_cnt = tl.load(table_ptr + 2 * dst + 1)

@@ -117,17 +117,6 @@ def _splits(what: str, name: str, splits: Optional[Sequence[int]], dim0: int, wo
     return splits
 
 
-def _split_table(in_splits: List[int], out_splits: List[int], row: int) -> List[int]:
-    """The exchange kernel's split table, in elements: (offset, count) sent to each peer, then received from each."""
-    table = []
-    for splits in (in_splits, out_splits):
-        at = 0
-        for c in splits:
-            table += (at * row, c * row)
-            at += c
-    return table
-
-
 def _words(t: torch.Tensor):
     """t (contiguous), and how many moved elements make one of t's: complex numbers move as int64 words
     (complex128 as two), which Triton can type."""
@@ -145,7 +134,7 @@ def _a2a(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_sp
     if in_splits == out_splits and in_splits.count(in_splits[0]) == len(in_splits):
         ctx.collectives.exchange(src, out, None, in_splits[0] * row, gather=False)
         return
-    ctx.collectives.exchange(src, out, _split_table(in_splits, out_splits, row), 0, gather=False)
+    ctx.collectives.exchange(src, out, (in_splits, out_splits, row), 0, gather=False)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -17,7 +17,8 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
                        signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each,
                        then a ticket counter (each program's index: the order programs start, _exchange.py)
     rs_words           int64 [7 * W * W * P + 1]: the same for reduce_scatter's slots (its own epochs)
-    tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables, read by the kernels
+    tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables beyond TABLE_ARG_RANKS ranks
+                       (up to that, an uneven call's counts are kernel arguments), read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done. (Copying
                        each call's table to device memory first was measured and dropped, 2026-11-26: on one H100
                        the copy added 17 GPU µs and 12-17 host µs to a 128-row uneven all_to_all, on 2 H100s it cut
@@ -42,6 +43,13 @@ from . import _exchange as kx
 
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
 TABLE_SLOTS = 64
+# Up to this many ranks an uneven all_to_all passes its element counts as kernel arguments (two 30-bit counts per
+# int64: _exchange._packed_counts; each direction's total below 2^30 elements, else the table): each of the W * P programs read its four table words from pinned host memory
+# before, ~1000 PCIe reads per call at world 4 (23 GPU µs of a 264-program grid on one H100, against 2.4 from
+# device memory, 2026-11-26).
+TABLE_ARG_RANKS = 8
+_NO_TABLE_ARGS = (0,) * TABLE_ARG_RANKS  # t0..t7 of a launch that does not use them
+_MARK = 1 << 62  # set in every packed count word (_exchange._packed_counts)
 # GPU tuning, from tests/collective_sweep.py on 4 H200s (2026-11-26 afternoon, BENCHMARKS.md): two programs
 # per SM (both kernels keep to 128 registers a thread, so two 256-thread programs share an SM's registers),
 # 128 KiB chunks and 32 KiB steps (128 bytes in flight per thread). Against one program per SM: all_to_all
@@ -102,6 +110,7 @@ class CollectiveState:
     num_warps: int
     depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
     rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_exchange.py; on by default)
+    table_arg_ranks: int = TABLE_ARG_RANKS  # uneven calls of up to this many ranks: counts as kernel arguments
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
     # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
@@ -215,7 +224,7 @@ class CollectiveState:
 
     def _launch_config(self, key: tuple) -> dict:
         """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the
-        kernel's flags: EVEN, GATHER, IN_PLACE for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
+        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
         config = self._configs.get(key)
         if config is None:
             kernel, elem, aligned = key[:3]
@@ -226,8 +235,8 @@ class CollectiveState:
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
                           num_warps=self.num_warps)
             if kernel == "pairs":
-                even, gather, in_place = key[3:]
-                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, MOVE=_BITS[elem],
+                even, gather, in_place, table_args = key[3:]
+                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, MOVE=_BITS[elem],
                               TAG=kx.op_tag(2 if gather else 1, elem))
             else:
                 op, average, in_place, acc = key[3:]
@@ -239,34 +248,45 @@ class CollectiveState:
         return config
 
     # -- the collectives ----------------------------------------------------------------------------
-    def exchange(self, src: torch.Tensor, out: torch.Tensor, splits: Optional[List[int]], n_even: int,
-                 gather: bool) -> None:
-        """all_to_all / all_gather on contiguous tensors (any shape, elements of 1-8 bytes). splits: the
-        (element offset, count) to each peer p at [2p, 2p + 1], then from each at [2W + 2p, 2W + 2p + 1]
-        (the kernel's table); None with n_even elements per pair (offset p * n_even, or 0 for gather)."""
+    def exchange(self, src: torch.Tensor, out: torch.Tensor, splits: Optional[Tuple[List[int], List[int], int]],
+                 n_even: int, gather: bool) -> None:
+        """all_to_all / all_gather on contiguous tensors (any shape, elements of 1-8 bytes). splits: (rows sent
+        to each peer, rows received from each, elements per row), or None with n_even elements per pair
+        (offset p * n_even, or 0 for gather). Uneven calls of up to table_arg_ranks ranks pass the element counts
+        as kernel arguments; beyond that, through a pinned table (`_table`)."""
         elem = src.element_size()
         even = splits is None
-        capturing = False
+        capturing = table_args = False
+        table, extra = self.words, _NO_TABLE_ARGS
         if even:  # offsets are multiples of n_even
             send_ok = recv_ok = n_even * elem % 16 == 0
         else:
-            W2 = len(splits) // 2
-            send_ok = all(o * elem % 16 == 0 for o in splits[0:W2:2])
-            recv_ok = all(o * elem % 16 == 0 for o in splits[W2::2])
-            capturing = not self._on_cpu and torch.cuda.is_current_stream_capturing()
+            in_rows, out_rows, row = splits
+            send_ok, recv_ok = _offsets_aligned(in_rows, row * elem), _offsets_aligned(out_rows, row * elem)
+            table_args = (len(in_rows) <= min(self.table_arg_ranks, TABLE_ARG_RANKS)
+                          and max(sum(in_rows), sum(out_rows)) * row < 1 << 30)
+            if table_args:  # bit 62 set: every count word is an int64 argument (Triton types smaller ints i32)
+                extra = (*(_MARK | o * row << 32 | i * row for i, o in zip(in_rows, out_rows)),
+                         *_NO_TABLE_ARGS[len(in_rows):])
+            else:
+                capturing = not self._on_cpu and torch.cuda.is_current_stream_capturing()
+                table = self._table(_split_table(in_rows, out_rows, row), capturing)
         in_heap_off, in_place = self._placement(src, send_ok)
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
-        table = self.words if even else self._table(splits, capturing)
-        key = ("pairs", elem, aligned, even, gather, in_place)
+        key = ("pairs", elem, aligned, even, gather, in_place, table_args)
         bound = self._bound.get((src.dtype, out.dtype) + key)
-        if bound is None:  # varying: src, out, table, in_heap_off, n_even
+        if bound is None:  # varying: src, out, in_heap_off, then the packed counts, or the table and n_even
+            varying = (0, 1, 7) + tuple(range(10, 10 + TABLE_ARG_RANKS)) if table_args else (0, 1, 4, 7, 8)
             bound = self._bound[(src.dtype, out.dtype) + key] = self._pairs.bind(
                 (src.dtype, out.dtype) + key,
                 [src, out, self._heap_views[torch.uint8], self.words, table, self._error, self._ring_offset // elem,
-                 in_heap_off, n_even, self.programs_per_peer], (0, 1, 4, 7, 8), **self._launch_config(key))
-        bound.launch(self._pairs_grid, src, out, table, in_heap_off, n_even)
-        if not (even or self._on_cpu or capturing):
-            self._after_launch()
+                 in_heap_off, n_even, self.programs_per_peer, *extra], varying, **self._launch_config(key))
+        if table_args:
+            bound.launch(self._pairs_grid, src, out, in_heap_off, *extra)
+        else:
+            bound.launch(self._pairs_grid, src, out, table, in_heap_off, n_even)
+            if not (even or self._on_cpu or capturing):
+                self._after_launch()
         if self._on_cpu:
             self._raise_mismatch_now()
 
@@ -292,3 +312,26 @@ class CollectiveState:
         """CPU ranks (the only callers) ran the kernel already: raise what it recorded at once (GPUs: at
         the next call)."""
         self.ctx.device_state.raise_if_error()
+
+
+def _split_table(in_rows: List[int], out_rows: List[int], row: int) -> List[int]:
+    """The pinned table of an uneven call, in elements: (offset, count) sent to each peer, then received from each."""
+    table = []
+    for rows in (in_rows, out_rows):
+        at = 0
+        for c in rows:
+            table += (at * row, c * row)
+            at += c
+    return table
+
+
+def _offsets_aligned(rows: List[int], row_bytes: int) -> bool:
+    """Whether every peer's piece (rows[p] rows of row_bytes, one after another) starts on a 16-byte boundary."""
+    if row_bytes % 16 == 0:
+        return True
+    at = 0
+    for c in rows[:-1]:
+        at += c
+        if at * row_bytes % 16:
+            return False
+    return True
