@@ -44,9 +44,10 @@ from . import _exchange as kx
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
 TABLE_SLOTS = 64
 # Up to this many ranks an uneven all_to_all passes its element counts as kernel arguments (two 30-bit counts per
-# int64: _exchange._packed_counts; each direction's total below 2^30 elements, else the table): each of the W * P programs read its four table words from pinned host memory
-# before, ~1000 PCIe reads per call at world 4 (23 GPU µs of a 264-program grid on one H100, against 2.4 from
-# device memory, 2026-11-26).
+# int64: _exchange._packed_counts; each direction's total below 2^30 elements, else the table). Before, each of
+# the W * P programs read its four table words from pinned host memory, ~1000 PCIe reads per call at world 4 (23
+# GPU µs of a 264-program grid on one H100, against 2.4 from device memory, 2026-11-26); the uneven 128-row call
+# went from 2.1x the even one's time to 1.4x (36.6 µs at world 4, 4 x H200, 2026-11-27, BENCHMARKS.md).
 TABLE_ARG_RANKS = 8
 _NO_TABLE_ARGS = (0,) * TABLE_ARG_RANKS  # t0..t7 of a launch that does not use them
 _MARK = 1 << 62  # set in every packed count word (_exchange._packed_counts)
