@@ -233,7 +233,8 @@ def test_complex_tensors_and_dtype_errors(ranks):
 
 
 def no_sync_and_graph_replay():
-    """GPU: a call makes no host synchronisation, and a captured call replays with the eager result."""
+    """GPU: a call makes no host synchronisation, and a captured call replays with the eager result (even
+    splits, then uneven ones through either path)."""
     world = tilecomm.world_size()
     x = torch.randn(world * 64, 33, device=dev())
     out = torch.empty_like(x)
@@ -261,6 +262,35 @@ def no_sync_and_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expect)
+    # uneven splits: counts as kernel arguments, then through the pinned table (worlds beyond TABLE_ARG_RANKS)
+    rank, state = tilecomm.rank(), tilecomm.current().collectives
+    ins, outs = [10 + 3 * p + rank for p in range(world)], [10 + 3 * rank + p for p in range(world)]
+    x = torch.randn(sum(ins), 33, device=dev())
+    for arg_ranks in (TABLE_ARG_RANKS, 0):
+        state.table_arg_ranks = arg_ranks
+        try:
+            out = torch.empty(sum(outs), 33, device=dev())
+            tilecomm.all_to_all_single(out, x, outs, ins)
+            torch.cuda.synchronize()
+            expect = out.clone()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                tilecomm.all_to_all_single(out, x, outs, ins)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                with torch.cuda.graph(graph, stream=side):
+                    tilecomm.all_to_all_single(out, x, outs, ins)
+            torch.cuda.current_stream().wait_stream(side)
+            for _ in range(3):
+                out.fill_(-1)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, expect), f"uneven, table_arg_ranks={arg_ranks}"
+        finally:
+            state.table_arg_ranks = TABLE_ARG_RANKS
 
 
 @pytest.mark.parametrize("world", [2, 3])
