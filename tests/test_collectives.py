@@ -232,63 +232,52 @@ def test_complex_tensors_and_dtype_errors(ranks):
     ranks(2).run(complex_and_bad_dtypes)
 
 
-def no_sync_and_graph_replay():
-    """GPU: a call makes no host synchronisation, and a captured call replays with the eager result (even
-    splits, then uneven ones through either path)."""
-    world = tilecomm.world_size()
-    x = torch.randn(world * 64, 33, device=dev())
-    out = torch.empty_like(x)
-    splits = [64] * world
-    for _ in range(2):
-        tilecomm.all_to_all_single(out, x, splits, splits)
+def _graph_replays_eager(out, x, outs, ins, what):
+    """Capture all_to_all_single(out, x, outs, ins) in a CUDA graph; each replay gives the eager call's result."""
+    tilecomm.all_to_all_single(out, x, outs, ins)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        tilecomm.all_to_all_single(out, x, splits, splits)
-        tilecomm.all_gather_into_tensor(torch.empty(world * x.numel(), device=dev()), x)
-        tilecomm.reduce_scatter_tensor(torch.empty(x.numel() // world, device=dev()), x.reshape(-1))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     expect = out.clone()
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         with torch.cuda.graph(graph, stream=side):
-            tilecomm.all_to_all_single(out, x, splits, splits)
+            tilecomm.all_to_all_single(out, x, outs, ins)
     torch.cuda.current_stream().wait_stream(side)
     for _ in range(3):
         out.fill_(-1)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, expect)
+        assert torch.equal(out, expect), what
+
+
+def no_sync_and_graph_replay():
+    """GPU: a call makes no host synchronisation, and a captured call replays with the eager result (even
+    splits, then uneven ones through either path)."""
+    world, rank, state = tilecomm.world_size(), tilecomm.rank(), tilecomm.current().collectives
+    x = torch.randn(world * 64, 33, device=dev())
+    out = torch.empty_like(x)
+    splits = [64] * world
     # uneven splits: counts as kernel arguments, then through the pinned table (worlds beyond TABLE_ARG_RANKS)
-    rank, state = tilecomm.rank(), tilecomm.current().collectives
     ins, outs = [10 + 3 * p + rank for p in range(world)], [10 + 3 * rank + p for p in range(world)]
-    x = torch.randn(sum(ins), 33, device=dev())
+    x_uneven, out_uneven = torch.randn(sum(ins), 33, device=dev()), torch.empty(sum(outs), 33, device=dev())
     for arg_ranks in (TABLE_ARG_RANKS, 0):
         state.table_arg_ranks = arg_ranks
         try:
-            out = torch.empty(sum(outs), 33, device=dev())
-            tilecomm.all_to_all_single(out, x, outs, ins)
+            for _ in range(2):
+                tilecomm.all_to_all_single(out, x, splits, splits)
+                tilecomm.all_to_all_single(out_uneven, x_uneven, outs, ins)
             torch.cuda.synchronize()
-            expect = out.clone()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                tilecomm.all_to_all_single(out, x, outs, ins)
+                tilecomm.all_to_all_single(out, x, splits, splits)
+                tilecomm.all_to_all_single(out_uneven, x_uneven, outs, ins)
+                tilecomm.all_gather_into_tensor(torch.empty(world * x.numel(), device=dev()), x)
+                tilecomm.reduce_scatter_tensor(torch.empty(x.numel() // world, device=dev()), x.reshape(-1))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            graph = torch.cuda.CUDAGraph()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                with torch.cuda.graph(graph, stream=side):
-                    tilecomm.all_to_all_single(out, x, outs, ins)
-            torch.cuda.current_stream().wait_stream(side)
-            for _ in range(3):
-                out.fill_(-1)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out, expect), f"uneven, table_arg_ranks={arg_ranks}"
+            _graph_replays_eager(out, x, splits, splits, "even splits")
+            _graph_replays_eager(out_uneven, x_uneven, outs, ins, f"uneven, table_arg_ranks={arg_ranks}")
         finally:
             state.table_arg_ranks = TABLE_ARG_RANKS
 
