@@ -8,13 +8,14 @@ Worked example: offs = [2, 2, 5] -> rows 0-1 use w[0], expert 1 has no rows, row
 Two persistent TMA kernels (tiles.py) cover the three products:
 * `_rows_kernel`: y = x @ w[e] per group of rows (forward), and dx = dy @ w[e]^T (B_TRANS: w read in
   place). Work items are (expert, row tile, column tile), numbered expert by expert; every program
-  finds an item's expert from offs in registers (no host sync, one launch). Full row tiles store by TMA,
-  an expert's last partial tile by masked stores.
+  finds an item's expert from offs in registers (no host sync, one launch). Tiles store by TMA through a
+  descriptor clipped at the expert's last row (tiles.clipped_rows_desc), so a partial last tile does too.
 * dw[e] = x[rows of e]^T @ dy[rows of e], items (expert, K tile, N tile), two loop forms chosen by the
-  mean rows per expert: `_wgrad_kernel` (many rows: per item, a loop over the expert's full row steps on
-  TMA tiles and one masked tail) and `_wgrad_flat_kernel` (few rows, e.g. ~128 in a 256-expert layer:
-  one flat loop over all its items' row steps, each masked, so the pipeliner overlaps an item's
-  store with the next item's loads). Empty experts give 0.
+  mean rows per expert: `_wgrad_kernel` (many rows: per item, a loop over the expert's row steps) and
+  `_wgrad_flat_kernel` (few rows, e.g. ~128 in a 256-expert layer: one flat loop over all its items' row
+  steps, so the pipeliner overlaps an item's store with the next item's loads). Both read rows through
+  descriptors clipped at the expert's last row (tiles.clipped_rows_desc: the next expert's rows come in as
+  zeros, no register mask). Empty experts give 0.
 `grouped_mm_reference` is the float64-capable torch loop the tests compare with.
 """
 from __future__ import annotations
@@ -25,8 +26,8 @@ import triton.language as tl
 import tilecomm
 from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
-from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, desc3, dot_precision, launch_gemm, resolve_config,
-                    store_tile, tile_position, tile_product, tma_operand)
+from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, clipped_rows_desc, desc3, dot_precision, launch_gemm,
+                    resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 # Weight-gradient configs, per loop form (`python -m tilecomm.bench.gemm --sweep-grouped ...`, one H100, 2026-11-25).
 _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),
@@ -87,8 +88,9 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
     item loop and the K loop become one pipelined loop (the next item's loads overlap this one's epilogue)."""
     x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_M, BLOCK_K)
     w_desc = b_desc3(w_ptr, E, K, N, stride_we, stride_w, BLOCK_K, BLOCK_N, B_TRANS)
-    y_desc = c_desc3(y_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_ym, stride_ym, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
-                     C_TMA)
+    y_desc = None
+    if C_TMA:  # stores clipped at the expert's last row: a partial row tile stores by TMA too
+        y_desc = clipped_rows_desc(y_ptr, R, N, stride_ym, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT)
     tiles_n = tl.cdiv(N, BLOCK_N)
     starts, counts, item_ends = _expert_table(offs_ptr, R, E, tiles_n, BLOCK_M, E_PAD)
     idx = tl.arange(0, E_PAD)
@@ -100,12 +102,10 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
         off_m = start + pid_m * BLOCK_M
         acc = tile_product(x_desc, 0, off_m, w_desc, e, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
                            PRECISION)
-        if C_TMA and (pid_m + 1) * BLOCK_M <= rows:
-            store_tile(y_desc, 0, y_ptr, stride_ym, R, N, acc, off_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
-                       EPILOGUE_SPLIT, True)
-        else:  # the expert's last rows: masked stores (the next expert's rows are not ours)
-            store_tile(y_desc, 0, y_ptr + tl.cast(start, tl.int64) * stride_ym, stride_ym, rows, N, acc,
-                       pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, False)
+        # rows past the expert's end (the next expert's) are not stored: clipped by TMA, else masked
+        store_tile(y_desc, start + rows, y_ptr + tl.cast(start, tl.int64) * stride_ym, stride_ym, rows, N, acc,
+                   off_m - start - rows + R if C_TMA else pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
+                   EPILOGUE_SPLIT, C_TMA)
 
 
 @tilecomm.jit
@@ -128,10 +128,11 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; items (expert, K tile of BLOCK_M, N tile), one at a
-    time: the expert's full BLOCK_K-row steps straight from TMA tiles, then its last rows masked (rows of the
-    next expert are zeroed); ACC: the accumulator type (fp32; fp64 for fp64 operands)."""
-    x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_K, BLOCK_M)
-    dy_desc = desc3(dy_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_dym, stride_dym, BLOCK_K, BLOCK_N)
+    time: the expert's rows in BLOCK_K-row steps, each read through descriptors that stop at its last row
+    (tiles.clipped_rows_desc: the next expert's rows come in as zeros); ACC: the accumulator type (fp32; fp64
+    for fp64 operands)."""
+    x_desc = clipped_rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M)
+    dy_desc = clipped_rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -141,17 +142,11 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(offs_ptr + e)
         acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-        full = (end - start) // BLOCK_K
-        for i in tl.range(0, full):
-            a = x_desc.load([0, start + i * BLOCK_K, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
-            b = dy_desc.load([0, start + i * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        for i in tl.range(0, tl.cdiv(end - start, BLOCK_K)):
+            row = start + i * BLOCK_K - end + R  # the clipped view's row coordinate
+            a = x_desc.load([end, row, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
+            b = dy_desc.load([end, row, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
             acc = tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
-        tail = start + full * BLOCK_K
-        if tail < end:
-            a = x_desc.load([0, tail, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
-            b = dy_desc.load([0, tail, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-            ok = (tail + tl.arange(0, BLOCK_K)) < end
-            acc = tl.dot(tl.where(ok[:, None], a, 0).T, b, acc, input_precision=PRECISION, out_dtype=ACC)
         store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, pid_m * BLOCK_M,
                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
 
@@ -161,16 +156,17 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
                        E_PAD: tl.constexpr):
-    """`_wgrad_kernel`'s product for experts of few rows: the same items, BLOCK_K rows a step, every step masked.
+    """`_wgrad_kernel`'s product for experts of few rows: the same items, BLOCK_K rows a step, read the same way.
 
     One flat loop over this program's row steps, all its items in turn (the persistent-matmul form
     before Triton fused loop nests itself: an expert's row count varies, so Triton would not fuse an
     item loop with a row loop): the pipeliner then loads the next item's first rows while this item's
     tile is converted and stored, and the TMA store of one item overlaps the next item's steps. With
     ~128 rows per expert (a 256-expert layer) each item is two steps and a full-tile store: the
-    stores, not the MMAs, bound the kernel. Rows past the expert's end (the next expert's) are zeroed."""
-    x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_K, BLOCK_M)
-    dy_desc = desc3(dy_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_dym, stride_dym, BLOCK_K, BLOCK_N)
+    stores, not the MMAs, bound the kernel. Rows past the expert's end (the next expert's) come in as zeros
+    (tiles.clipped_rows_desc), so both operands go from shared memory straight to the MMA."""
+    x_desc = clipped_rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M)
+    dy_desc = clipped_rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -196,11 +192,10 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
             start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
             end = tl.load(offs_ptr + e)
             num_steps = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
-        row = start + step * BLOCK_K
-        a = x_desc.load([0, row, off_m]).reshape(BLOCK_K, BLOCK_M)
-        b = dy_desc.load([0, row, off_n]).reshape(BLOCK_K, BLOCK_N)
-        ok = (row + tl.arange(0, BLOCK_K)) < end
-        acc = tl.dot(tl.where(ok[:, None], a, 0).T, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        row = start + step * BLOCK_K - end + R  # the clipped view's row coordinate
+        a = x_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M)
+        b = dy_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
         if step == num_steps - 1:
             store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, off_m, off_n,
                        BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
@@ -286,6 +281,8 @@ def _wgrad(x, dy, offs, E: int, config, form: str | None = None) -> torch.Tensor
     x_t, _ = tma_operand(x)
     dy_t, _ = tma_operand(dy.contiguous())
     cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
+    if x.is_cuda and x.dtype == torch.float32 and not isinstance(config, GemmConfig):
+        cfg = _TABLE["fp32"]  # IEEE fp32: the FMA path's small tiles (a 128x256 tile's stages overflow shared memory)
     tiles = E * cdiv(K, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
     extra = {"E_PAD": next_pow2(E + 1)} if form == "flat" else {}
     aligned = dw.stride(1) * dw.element_size() % 16 == 0

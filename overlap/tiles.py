@@ -222,6 +222,20 @@ def desc3(ptr, groups, rows, cols, stride_g, stride_r, BLOCK_R: tl.constexpr, BL
 
 
 @tilecomm.jit
+def clipped_rows_desc(ptr, R, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A TMA descriptor that reads rows of ptr [R, cols] cut off at a row bound given per load (zeros past it):
+    `desc.load([end, row - end + R, col])` is rows row.. row + BLOCK_R - 1 with every row >= end read as 0.
+
+    The view is [R + 1, R, cols] over ptr - R rows with both outer strides one row, so element [g, r, c] is
+    row g + r - R, and TMA's bound r < R is the row bound g + r - R < g: g = end puts it at `end`. Rows
+    below end - R would be zeroed too (none: row >= 0). Only in-bounds elements are read, all of them rows
+    of ptr; this replaces a register mask on the tile, so the tile goes from shared memory straight to
+    the MMA (a masked operand must pass through registers)."""
+    return tl.make_tensor_descriptor(ptr - tl.cast(R, tl.int64) * stride_r, [R + 1, R, cols], [stride_r, stride_r, 1],
+                                     [1, BLOCK_R, BLOCK_C])
+
+
+@tilecomm.jit
 def c_desc3(ptr, groups, rows, cols, stride_g, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
             C_TMA: tl.constexpr):
     """The output's descriptor when it is TMA-aligned (C_TMA), else None (store_tile then masks)."""

@@ -62,6 +62,24 @@ def test_weight_gradient_loop_forms(form):
     assert _rel(got, want) < 1e-5 and not got[1].any() and not got[5].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", ["flat", "per_item"])
+def test_weight_gradient_reads_no_row_past_its_expert(form, dtype):
+    """Each expert's last row step reads up to a step past its end (the next expert's rows, then a
+    dispatcher's padding): those rows must count as zeros. Padding rows of NaN would poison any dw they
+    touched; uneven experts end mid-step everywhere."""
+    from tilecomm.overlap.grouped import _wgrad
+
+    x, _, dy, offs = _case([21, 3, 0, 45, 1], 32, 24, torch.float32, seed=13)
+    x = torch.cat([x, torch.full((7, 32), float("nan"))]).to(dtype)
+    dy = torch.cat([dy, torch.full((7, 24), float("nan"))]).to(dtype)
+    got = _wgrad(x.to(dev()), dy.to(dev()), offs.to(dev()), 5, None, form=form)
+    starts = [0] + offs.tolist()[:-1]
+    want = torch.stack([x[s:t].double().T @ dy[s:t].double() for s, t in zip(starts, offs.tolist())])
+    assert torch.isfinite(got.float()).all()
+    assert _rel(got, want) < TOL[dtype] and not got[2].any()
+
+
 def test_grouped_mm_matches_torch_grouped_mm():
     """The reference the MoE tests use (torch._grouped_mm), where this torch build runs it on CPU."""
     x, w, _, offs = _case([6, 2, 0, 9], 16, 24, torch.float32, seed=7)

@@ -4,7 +4,8 @@
 
 dw[e] = x[rows of e]^T @ dy[rows of e] for the DeepSeek-V3-like layer's two products (256 experts, ~128 rows
 each: gate_up 7168 x 4096, down 2048 x 7168), the same products on one rank's share at EP = 4 (64 experts, ~512
-rows each: "deepseek/4") and the pretraining layer's down product (64 experts, 1536 rows), bf16, random top-k
+rows each: "deepseek/4"), the pretraining layer's down product (64 experts, 1536 rows) and a Mixtral-like layer's
+two (8 experts, ~2048 rows), bf16, random top-k
 routing; --shapes picks some, --configs adds loop-form / GemmConfig variants beside the default. Each line:
 tilecomm's weight-gradient kernel per variant, torch._grouped_mm on the same tensors, and what the GPU's memory
 does with the same output bytes in the same run (`zero_` of dw: the write ceiling; `copy_` of dw: read + write),
@@ -32,6 +33,9 @@ SHAPES = {  # name: (experts, rows, K = x's columns, N = dy's columns)
     # one rank's share of the DeepSeek-like layer at EP = 4: 64 experts, ~512 rows each
     "deepseek/4 gate_up dw": (64, 32768, 7168, 4096),
     "deepseek/4 down dw": (64, 32768, 2048, 7168),
+    # a Mixtral-like layer (8 experts, 4096, ffn 14336, 16384 rows: ~2048 rows each)
+    "mixtral gate_up dw": (8, 16384, 4096, 28672),
+    "mixtral down dw": (8, 16384, 14336, 4096),
 }
 
 
