@@ -36,10 +36,11 @@ _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmC
 # over a strip of N tiles, so that only dy's rows are loaded per tile (1.0 byte loaded per byte stored instead
 # of 1.5): 1.3-1.9x slower than flat on every shape (DeepSeek-like gate_up 9350 vs 6909 µs); not kept. The
 # stores alone (the same tiles, no loads or MMA) run at 3.8-4.0 TB/s, so the flat kernel's 2.2 is its chain.
-# The flat form up to this many rows per expert on average. Measured: ~128 rows, flat 1.63x faster than per item
-# (H100); ~512 rows (the DeepSeek-like layer's share at EP = 4), per item 1.18x / 1.06x faster on gate_up / down
-# (H200, tests/wgrad_probe.py, 2026-11-27); ~1536 rows, per item 1.23x faster; ~2048 rows, 1.43x. 256: not measured.
-FLAT_MAX_ROWS = 256
+# The flat form up to this many rows per expert on average. Measured with the clipped row reads (one H200,
+# tests/wgrad_probe.py, 2026-11-27, µs flat / per item): ~128 rows (DeepSeek-like) 5813 / 7751 and 2868 / 4144;
+# ~512 rows (its share at EP = 4) 3406 / 3606 and 1702 / 1874; 1536 rows (pretraining down) 332 / 365; ~2048 rows
+# (Mixtral-like) 5620 / 5792 and 2863 / 2792: flat is faster up to 1536, the two even at 2048.
+FLAT_MAX_ROWS = 1536
 # The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
 _ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE}
