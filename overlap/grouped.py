@@ -8,14 +8,15 @@ Worked example: offs = [2, 2, 5] -> rows 0-1 use w[0], expert 1 has no rows, row
 Two persistent TMA kernels (tiles.py) cover the three products:
 * `_rows_kernel`: y = x @ w[e] per group of rows (forward), and dx = dy @ w[e]^T (B_TRANS: w read in
   place). Work items are (expert, row tile, column tile), numbered expert by expert; every program
-  finds an item's expert from offs in registers (no host sync, one launch). Tiles store by TMA through a
-  descriptor clipped at the expert's last row (tiles.clipped_rows_desc), so a partial last tile does too.
+  finds an item's expert from offs in registers (no host sync, one launch). Full row tiles store by TMA,
+  an expert's last partial tile by masked stores.
 * dw[e] = x[rows of e]^T @ dy[rows of e], items (expert, K tile, N tile), two loop forms chosen by the
   mean rows per expert: `_wgrad_kernel` (many rows: per item, a loop over the expert's row steps) and
   `_wgrad_flat_kernel` (few rows, e.g. ~128 in a 256-expert layer: one flat loop over all its items' row
-  steps, so the pipeliner overlaps an item's store with the next item's loads). Both read rows through
-  descriptors clipped at the expert's last row (tiles.clipped_rows_desc: the next expert's rows come in as
-  zeros, no register mask). Empty experts give 0.
+  steps, so the pipeliner overlaps an item's store with the next item's loads). Rows past an expert's
+  end count as zeros: on 16-bit operands of at least CLIP_MIN_BYTES they are read through descriptors
+  clipped at that row (tiles.clipped_rows_desc; both operands go from shared memory to the MMA), else
+  masked in registers (`_row_step`). Empty experts give 0.
 `grouped_mm_reference` is the float64-capable torch loop the tests compare with.
 """
 from __future__ import annotations
@@ -41,6 +42,14 @@ _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmC
 # ~512 rows (its share at EP = 4) 3406 / 3606 and 1702 / 1874; 1536 rows (pretraining down) 332 / 365; ~2048 rows
 # (Mixtral-like) 5620 / 5792 and 2863 / 2792: flat is faster up to 1536, the two even at 2048.
 FLAT_MAX_ROWS = 1536
+# The weight gradient reads rows through clipped descriptors (tiles.clipped_rows_desc) when both operands are
+# 16-bit and this large: 0.94-0.96x -> 1.14-1.19x torch._grouped_mm on the DeepSeek-like layer (one H200,
+# 2026-11-27). A clipped view's outer strides overlap, and TMA descriptors that are not dense and non-overlapping
+# over allocations under 128 KB are known to fault now and then (Triton PR 9235, after CUTLASS's workaround). On
+# one H200 a test's 12 KB fp32 operands read this way died of an illegal address inside pytest, never when run
+# alone (2026-11-27); the large operands of the benchmarks never did. Smaller operands and fp32 (the FMA path)
+# mask in registers.
+CLIP_MIN_BYTES = 128 << 10
 # The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
 _ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE}
@@ -89,9 +98,8 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
     item loop and the K loop become one pipelined loop (the next item's loads overlap this one's epilogue)."""
     x_desc = desc3(x_ptr, 1, R, K, tl.cast(R, tl.int64) * stride_xm, stride_xm, BLOCK_M, BLOCK_K)
     w_desc = b_desc3(w_ptr, E, K, N, stride_we, stride_w, BLOCK_K, BLOCK_N, B_TRANS)
-    y_desc = None
-    if C_TMA:  # stores clipped at the expert's last row: a partial row tile stores by TMA too
-        y_desc = clipped_rows_desc(y_ptr, R, N, stride_ym, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT)
+    y_desc = c_desc3(y_ptr, 1, R, N, tl.cast(R, tl.int64) * stride_ym, stride_ym, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
+                     C_TMA)
     tiles_n = tl.cdiv(N, BLOCK_N)
     starts, counts, item_ends = _expert_table(offs_ptr, R, E, tiles_n, BLOCK_M, E_PAD)
     idx = tl.arange(0, E_PAD)
@@ -103,10 +111,12 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
         off_m = start + pid_m * BLOCK_M
         acc = tile_product(x_desc, 0, off_m, w_desc, e, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS,
                            PRECISION)
-        # rows past the expert's end (the next expert's) are not stored: clipped by TMA, else masked
-        store_tile(y_desc, start + rows, y_ptr + tl.cast(start, tl.int64) * stride_ym, stride_ym, rows, N, acc,
-                   off_m - start - rows + R if C_TMA else pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
-                   EPILOGUE_SPLIT, C_TMA)
+        if C_TMA and (pid_m + 1) * BLOCK_M <= rows:
+            store_tile(y_desc, 0, y_ptr, stride_ym, R, N, acc, off_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N,
+                       EPILOGUE_SPLIT, True)
+        else:  # the expert's last rows: masked stores (the next expert's rows are not ours)
+            store_tile(y_desc, 0, y_ptr + tl.cast(start, tl.int64) * stride_ym, stride_ym, rows, N, acc,
+                       pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, False)
 
 
 @tilecomm.jit
@@ -125,15 +135,41 @@ def _steps_of_program(offs_ptr, E, per_expert, BLOCK_K: tl.constexpr, E_PAD: tl.
 
 
 @tilecomm.jit
+def _rows_desc(ptr, R, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CLIP: tl.constexpr):
+    """The weight gradient's row operand: clipped per load at a row bound (CLIP), else the plain [1, R, cols] view."""
+    if CLIP:
+        desc = clipped_rows_desc(ptr, R, cols, stride_r, BLOCK_R, BLOCK_C)
+    else:
+        desc = desc3(ptr, 1, R, cols, tl.cast(R, tl.int64) * stride_r, stride_r, BLOCK_R, BLOCK_C)
+    return desc
+
+
+@tilecomm.jit
+def _row_step(x_desc, dy_desc, acc, row, end, R, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, CLIP: tl.constexpr):
+    """acc + x[row:row + BLOCK_K, off_m:]^T @ dy[row:row + BLOCK_K, off_n:] with the rows at and past `end` as
+    zeros in both operands (the next expert's rows, or padding that may hold NaN): clipped by TMA (CLIP), else
+    masked in registers."""
+    if CLIP:
+        a = x_desc.load([end, row - end + R, off_m]).reshape(BLOCK_K, BLOCK_M)
+        b = dy_desc.load([end, row - end + R, off_n]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        ok = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
+        a = tl.where(ok, x_desc.load([0, row, off_m]).reshape(BLOCK_K, BLOCK_M), 0)
+        b = tl.where(ok, dy_desc.load([0, row, off_n]).reshape(BLOCK_K, BLOCK_N), 0)
+    return tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
+
+
+@tilecomm.jit
 def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+                  EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+                  CLIP: tl.constexpr):
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; items (expert, K tile of BLOCK_M, N tile), one at a
-    time: the expert's rows in BLOCK_K-row steps, each read through descriptors that stop at its last row
-    (tiles.clipped_rows_desc: the next expert's rows come in as zeros); ACC: the accumulator type (fp32; fp64
-    for fp64 operands)."""
-    x_desc = clipped_rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M)
-    dy_desc = clipped_rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N)
+    time: the expert's rows in BLOCK_K-row steps (`_row_step`); ACC: the accumulator type (fp32; fp64 for fp64
+    operands)."""
+    x_desc = _rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
+    dy_desc = _rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -144,10 +180,8 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
         end = tl.load(offs_ptr + e)
         acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
         for i in tl.range(0, tl.cdiv(end - start, BLOCK_K)):
-            row = start + i * BLOCK_K - end + R  # the clipped view's row coordinate
-            a = x_desc.load([end, row, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M)
-            b = dy_desc.load([end, row, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
+            acc = _row_step(x_desc, dy_desc, acc, start + i * BLOCK_K, end, R, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, ACC, CLIP)
         store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, pid_m * BLOCK_M,
                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
 
@@ -156,7 +190,7 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
 def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-                       E_PAD: tl.constexpr):
+                       CLIP: tl.constexpr, E_PAD: tl.constexpr):
     """`_wgrad_kernel`'s product for experts of few rows: the same items, BLOCK_K rows a step, read the same way.
 
     One flat loop over this program's row steps, all its items in turn (the persistent-matmul form
@@ -164,10 +198,9 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
     item loop with a row loop): the pipeliner then loads the next item's first rows while this item's
     tile is converted and stored, and the TMA store of one item overlaps the next item's steps. With
     ~128 rows per expert (a 256-expert layer) each item is two steps and a full-tile store: the
-    stores, not the MMAs, bound the kernel. Rows past the expert's end (the next expert's) come in as zeros
-    (tiles.clipped_rows_desc), so both operands go from shared memory straight to the MMA."""
-    x_desc = clipped_rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M)
-    dy_desc = clipped_rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N)
+    stores, not the MMAs, bound the kernel. Rows past the expert's end count as zeros (`_row_step`)."""
+    x_desc = _rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
+    dy_desc = _rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -193,10 +226,8 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
             start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
             end = tl.load(offs_ptr + e)
             num_steps = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
-        row = start + step * BLOCK_K - end + R  # the clipped view's row coordinate
-        a = x_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M)
-        b = dy_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        acc = _row_step(x_desc, dy_desc, acc, start + step * BLOCK_K, end, R, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                        PRECISION, ACC, CLIP)
         if step == num_steps - 1:
             store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, off_m, off_n,
                        BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
@@ -267,10 +298,11 @@ def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
                 PRECISION=dot_precision(x.dtype), E_PAD=next_pow2(E + 1))
 
 
-def _wgrad(x, dy, offs, E: int, config, form: str | None = None) -> torch.Tensor:
+def _wgrad(x, dy, offs, E: int, config, form: str | None = None, clip: bool | None = None) -> torch.Tensor:
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]. form: the kernel, one of WGRAD_FORMS (None: the
     flat one when the experts have at most FLAT_MAX_ROWS rows on average, else per item); config: a GemmConfig,
-    else _WGRAD's for the form."""
+    else _WGRAD's for the form; clip: read rows through clipped descriptors (None: on GPUs for 16-bit operands
+    of at least CLIP_MIN_BYTES each, see there), else mask them in registers."""
     (R, K), N = x.shape, dy.shape[1]
     dw = torch.empty((E, K, N), dtype=x.dtype, device=x.device)
     if R == 0 or K == 0 or N == 0:
@@ -281,6 +313,8 @@ def _wgrad(x, dy, offs, E: int, config, form: str | None = None) -> torch.Tensor
         raise ValueError(f"_wgrad: form={form!r}; expected one of {WGRAD_FORMS} or None")
     x_t, _ = tma_operand(x)
     dy_t, _ = tma_operand(dy.contiguous())
+    if clip is None:
+        clip = x.is_cuda and x.element_size() == 2 and min(x_t.nbytes, dy_t.nbytes) >= CLIP_MIN_BYTES
     cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
     if x.is_cuda and x.dtype == torch.float32 and not isinstance(config, GemmConfig):
         cfg = _TABLE["fp32"]  # IEEE fp32: the FMA path's small tiles (a 128x256 tile's stages overflow shared memory)
@@ -289,7 +323,8 @@ def _wgrad(x, dy, offs, E: int, config, form: str | None = None) -> torch.Tensor
     aligned = dw.stride(1) * dw.element_size() % 16 == 0
     launch_gemm(_WGRAD_FORMS[form], tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0),
                 dy_t.stride(0), dw.stride(0), dw.stride(1), C_TMA=aligned and not cfg.POINTER_STORES,
-                PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, **extra)
+                PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
+                CLIP=bool(clip), **extra)
     return dw
 
 

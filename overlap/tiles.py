@@ -230,7 +230,8 @@ def clipped_rows_desc(ptr, R, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl
     row g + r - R, and TMA's bound r < R is the row bound g + r - R < g: g = end puts it at `end`. Rows
     below end - R would be zeroed too (none: row >= 0). Only in-bounds elements are read, all of them rows
     of ptr; this replaces a register mask on the tile, so the tile goes from shared memory straight to
-    the MMA (a masked operand must pass through registers)."""
+    the MMA (a masked operand must pass through registers). The outer strides overlap: keep it to allocations
+    of 128 KB and more (grouped.CLIP_MIN_BYTES says why)."""
     return tl.make_tensor_descriptor(ptr - tl.cast(R, tl.int64) * stride_r, [R + 1, R, cols], [stride_r, stride_r, 1],
                                      [1, BLOCK_R, BLOCK_C])
 

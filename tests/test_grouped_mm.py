@@ -62,18 +62,21 @@ def test_weight_gradient_loop_forms(form):
     assert _rel(got, want) < 1e-5 and not got[1].any() and not got[5].any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype,clip", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
+                         ids=["bf16-clipped", "bf16-masked", "fp32-masked"])
 @pytest.mark.parametrize("form", ["flat", "per_item"])
-def test_weight_gradient_reads_no_row_past_its_expert(form, dtype):
+def test_weight_gradient_reads_no_row_past_its_expert(form, dtype, clip):
     """Each expert's last row step reads up to a step past its end (the next expert's rows, then a
-    dispatcher's padding): those rows must count as zeros. Padding rows of NaN would poison any dw they
-    touched; uneven experts end mid-step everywhere."""
-    from tilecomm.overlap.grouped import _wgrad
+    dispatcher's padding): those rows must count as zeros, through clipped descriptors and through register
+    masks. Padding rows of NaN would poison any dw they touched; uneven experts end mid-step everywhere. The
+    operands are over 128 KB each, as the clipped path asks (grouped.CLIP_MIN_BYTES)."""
+    from tilecomm.overlap.grouped import CLIP_MIN_BYTES, _wgrad
 
-    x, _, dy, offs = _case([21, 3, 0, 45, 1], 32, 24, torch.float32, seed=13)
-    x = torch.cat([x, torch.full((7, 32), float("nan"))]).to(dtype)
-    dy = torch.cat([dy, torch.full((7, 24), float("nan"))]).to(dtype)
-    got = _wgrad(x.to(dev()), dy.to(dev()), offs.to(dev()), 5, None, form=form)
+    x, _, dy, offs = _case([210, 3, 0, 380, 7], 128, 112, torch.float32, seed=13)
+    x = torch.cat([x, torch.full((7, 128), float("nan"))]).to(dtype)
+    dy = torch.cat([dy, torch.full((7, 112), float("nan"))]).to(dtype)
+    assert min(x.nbytes, dy.nbytes) >= CLIP_MIN_BYTES
+    got = _wgrad(x.to(dev()), dy.to(dev()), offs.to(dev()), 5, None, form=form, clip=clip)
     starts = [0] + offs.tolist()[:-1]
     want = torch.stack([x[s:t].double().T @ dy[s:t].double() for s, t in zip(starts, offs.tolist())])
     assert torch.isfinite(got.float()).all()
