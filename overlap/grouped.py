@@ -14,9 +14,9 @@ Two persistent TMA kernels (tiles.py) cover the three products:
   mean rows per expert: `_wgrad_kernel` (many rows: per item, a loop over the expert's row steps) and
   `_wgrad_flat_kernel` (few rows, e.g. ~128 in a 256-expert layer: one flat loop over all its items' row
   steps, so the pipeliner overlaps an item's store with the next item's loads). Rows past an expert's
-  end count as zeros: on 16-bit operands of at least CLIP_MIN_BYTES they are read through descriptors
-  clipped at that row (tiles.clipped_rows_desc; both operands go from shared memory to the MMA), else
-  masked in registers (`_row_step`). Empty experts give 0.
+  end count as zeros: on 16-bit operands with ROW_GUARD rows of storage before them they are read through
+  descriptors clipped at that row (tiles.clipped_rows_desc; both operands go from shared memory to the MMA),
+  else masked in registers (`_row_step`). Empty experts give 0.
 `grouped_mm_reference` is the float64-capable torch loop the tests compare with.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import triton.language as tl
 import tilecomm
 from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
-from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, clipped_rows_desc, desc3, dot_precision, launch_gemm,
-                    resolve_config, store_tile, tile_position, tile_product, tma_operand)
+from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, clipped_rows_desc, clipped_rows_load, desc3, dot_precision,
+                    launch_gemm, resolve_config, rows_guarded, store_tile, tile_position, tile_product, tma_operand)
 
 # Weight-gradient configs, per loop form (`python -m tilecomm.bench.gemm --sweep-grouped ...`, one H100, 2026-11-25).
 _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),
@@ -43,13 +43,11 @@ _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmC
 # (Mixtral-like) 5620 / 5792 and 2863 / 2792: flat is faster up to 1536, the two even at 2048.
 FLAT_MAX_ROWS = 1536
 # The weight gradient reads rows through clipped descriptors (tiles.clipped_rows_desc) when both operands are
-# 16-bit and this large: 0.94-0.96x -> 1.14-1.19x torch._grouped_mm on the DeepSeek-like layer (one H200,
-# 2026-11-27). A clipped view's outer strides overlap, and TMA descriptors that are not dense and non-overlapping
-# over allocations under 128 KB are known to fault now and then (Triton PR 9235, after CUTLASS's workaround). On
-# one H200 a test's 12 KB fp32 operands read this way died of an illegal address inside pytest, never when run
-# alone (2026-11-27); the large operands of the benchmarks never did. Smaller operands and fp32 (the FMA path)
-# mask in registers.
-CLIP_MIN_BYTES = 128 << 10
+# 16-bit and have ROW_GUARD rows of their own storage before them (tiles.rows_guarded: the MoE layers allocate
+# theirs so), else masks them in registers: 0.94-0.96x -> 1.14-1.19x torch._grouped_mm on the DeepSeek-like
+# layer (one H200, 2026-11-27). A first form put the view's base R rows before any operand: on one H200 it died
+# of an illegal address in 2 of ~40 pytest calls (12 KB and 155 KB operands), never in the benchmarks or alone.
+ROW_GUARD = 64
 # The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
 _ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE}
@@ -145,14 +143,14 @@ def _rows_desc(ptr, R, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.conste
 
 
 @tilecomm.jit
-def _row_step(x_desc, dy_desc, acc, row, end, R, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _row_step(x_desc, dy_desc, acc, row, end, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, CLIP: tl.constexpr):
     """acc + x[row:row + BLOCK_K, off_m:]^T @ dy[row:row + BLOCK_K, off_n:] with the rows at and past `end` as
     zeros in both operands (the next expert's rows, or padding that may hold NaN): clipped by TMA (CLIP), else
     masked in registers."""
     if CLIP:
-        a = x_desc.load([end, row - end + R, off_m]).reshape(BLOCK_K, BLOCK_M)
-        b = dy_desc.load([end, row - end + R, off_n]).reshape(BLOCK_K, BLOCK_N)
+        a = clipped_rows_load(x_desc, row, end, off_m, BLOCK_K, BLOCK_M)
+        b = clipped_rows_load(dy_desc, row, end, off_n, BLOCK_K, BLOCK_N)
     else:
         ok = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
         a = tl.where(ok, x_desc.load([0, row, off_m]).reshape(BLOCK_K, BLOCK_M), 0)
@@ -180,7 +178,7 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
         end = tl.load(offs_ptr + e)
         acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
         for i in tl.range(0, tl.cdiv(end - start, BLOCK_K)):
-            acc = _row_step(x_desc, dy_desc, acc, start + i * BLOCK_K, end, R, pid_m * BLOCK_M, pid_n * BLOCK_N,
+            acc = _row_step(x_desc, dy_desc, acc, start + i * BLOCK_K, end, pid_m * BLOCK_M, pid_n * BLOCK_N,
                             BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, ACC, CLIP)
         store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, pid_m * BLOCK_M,
                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
@@ -226,7 +224,7 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
             start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
             end = tl.load(offs_ptr + e)
             num_steps = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
-        acc = _row_step(x_desc, dy_desc, acc, start + step * BLOCK_K, end, R, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K,
+        acc = _row_step(x_desc, dy_desc, acc, start + step * BLOCK_K, end, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K,
                         PRECISION, ACC, CLIP)
         if step == num_steps - 1:
             store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, off_m, off_n,
@@ -302,7 +300,7 @@ def _wgrad(x, dy, offs, E: int, config, form: str | None = None, clip: bool | No
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]. form: the kernel, one of WGRAD_FORMS (None: the
     flat one when the experts have at most FLAT_MAX_ROWS rows on average, else per item); config: a GemmConfig,
     else _WGRAD's for the form; clip: read rows through clipped descriptors (None: on GPUs for 16-bit operands
-    of at least CLIP_MIN_BYTES each, see there), else mask them in registers."""
+    with ROW_GUARD rows of storage before them, see there), else mask them in registers."""
     (R, K), N = x.shape, dy.shape[1]
     dw = torch.empty((E, K, N), dtype=x.dtype, device=x.device)
     if R == 0 or K == 0 or N == 0:
@@ -313,11 +311,14 @@ def _wgrad(x, dy, offs, E: int, config, form: str | None = None, clip: bool | No
         raise ValueError(f"_wgrad: form={form!r}; expected one of {WGRAD_FORMS} or None")
     x_t, _ = tma_operand(x)
     dy_t, _ = tma_operand(dy.contiguous())
-    if clip is None:
-        clip = x.is_cuda and x.element_size() == 2 and min(x_t.nbytes, dy_t.nbytes) >= CLIP_MIN_BYTES
     cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
     if x.is_cuda and x.dtype == torch.float32 and not isinstance(config, GemmConfig):
         cfg = _TABLE["fp32"]  # IEEE fp32: the FMA path's small tiles (a 128x256 tile's stages overflow shared memory)
+    guarded = rows_guarded(x_t, cfg.BLOCK_K) and rows_guarded(dy_t, cfg.BLOCK_K)
+    if clip is None:
+        clip = guarded and x.is_cuda and x.element_size() == 2
+    elif clip and not guarded:
+        raise ValueError(f"_wgrad: clip=True needs {cfg.BLOCK_K} rows of storage before x and dy (tiles.rows_guarded)")
     tiles = E * cdiv(K, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
     extra = {"E_PAD": next_pow2(E + 1)} if form == "flat" else {}
     aligned = dw.stride(1) * dw.element_size() % 16 == 0

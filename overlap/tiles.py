@@ -223,17 +223,29 @@ def desc3(ptr, groups, rows, cols, stride_g, stride_r, BLOCK_R: tl.constexpr, BL
 
 @tilecomm.jit
 def clipped_rows_desc(ptr, R, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A TMA descriptor that reads rows of ptr [R, cols] cut off at a row bound given per load (zeros past it):
-    `desc.load([end, row - end + R, col])` is rows row.. row + BLOCK_R - 1 with every row >= end read as 0.
+    """A TMA descriptor of ptr [R, cols] whose loads (`clipped_rows_load`) stop at a row bound given per load:
+    rows at and past it come in as zeros, with no register mask (the tile goes from shared memory straight to
+    the MMA). ptr must have BLOCK_R rows of its own storage before it (rows_guarded): the view starts there.
 
-    The view is [R + 1, R, cols] over ptr - R rows with both outer strides one row, so element [g, r, c] is
-    row g + r - R, and TMA's bound r < R is the row bound g + r - R < g: g = end puts it at `end`. Rows
-    below end - R would be zeroed too (none: row >= 0). Only in-bounds elements are read, all of them rows
-    of ptr; this replaces a register mask on the tile, so the tile goes from shared memory straight to
-    the MMA (a masked operand must pass through registers). The outer strides overlap: keep it to allocations
-    of 128 KB and more (grouped.CLIP_MIN_BYTES says why)."""
-    return tl.make_tensor_descriptor(ptr - tl.cast(R, tl.int64) * stride_r, [R + 1, R, cols], [stride_r, stride_r, 1],
-                                     [1, BLOCK_R, BLOCK_C])
+    The view is [R + BLOCK_R, BLOCK_R, cols] over ptr - BLOCK_R rows with both outer strides one row: element
+    [g, r, c] is row g + r - BLOCK_R, and TMA's bound r < BLOCK_R is the row bound g + r - BLOCK_R < g, so
+    the outer coordinate g is where the rows stop. Only in-bounds elements are read, all rows of ptr."""
+    return tl.make_tensor_descriptor(ptr - BLOCK_R * tl.cast(stride_r, tl.int64), [R + BLOCK_R, BLOCK_R, cols],
+                                     [stride_r, stride_r, 1], [1, BLOCK_R, BLOCK_C])
+
+
+@tilecomm.jit
+def clipped_rows_load(desc, row, end, col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows row .. row + BLOCK_R - 1 of a clipped_rows_desc from column col, those at and past `end` as 0
+    ([BLOCK_R, BLOCK_C]; row < end)."""
+    g = tl.minimum(end, row + BLOCK_R)
+    return desc.load([g, row + BLOCK_R - g, col]).reshape(BLOCK_R, BLOCK_C)
+
+
+def rows_guarded(t: torch.Tensor, rows: int) -> bool:
+    """Whether t (2-D) has `rows` rows of its own storage before its first element (a clipped_rows_desc's
+    view starts there: its base then stays inside the allocation)."""
+    return t.storage_offset() >= rows * t.stride(0)
 
 
 @tilecomm.jit

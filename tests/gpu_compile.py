@@ -89,7 +89,7 @@ CASES = [
      dict(GEMM, FLATTEN=True, E_PAD=256)),
     (gr._wgrad_kernel, WGRAD_SIG, WGRAD),
     (gr._wgrad_flat_kernel, dict(WGRAD_SIG, E_PAD="constexpr"), dict(WGRAD, E_PAD=256)),
-    # small operands: rows masked in registers instead of clipped descriptors (grouped.CLIP_MIN_BYTES)
+    # operands without guard rows: rows masked in registers instead of clipped descriptors (grouped.ROW_GUARD)
     (gr._wgrad_flat_kernel, dict(WGRAD_SIG, E_PAD="constexpr"), dict(WGRAD, E_PAD=256, CLIP=False)),
     (ov_team._release_kernel, {"consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "me": "i32", "W": "i32"}, {}),
     (ot._matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",

@@ -62,25 +62,40 @@ def test_weight_gradient_loop_forms(form):
     assert _rel(got, want) < 1e-5 and not got[1].any() and not got[5].any()
 
 
+def _guarded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t as a view with `rows` rows of poison (NaN) storage before it, as the MoE layers allocate operands."""
+    buf = torch.full((rows + t.shape[0], t.shape[1]), float("nan"), dtype=t.dtype, device=t.device)
+    buf[rows:] = t
+    return buf[rows:]
+
+
 @pytest.mark.parametrize("dtype,clip", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
                          ids=["bf16-clipped", "bf16-masked", "fp32-masked"])
 @pytest.mark.parametrize("form", ["flat", "per_item"])
 def test_weight_gradient_reads_no_row_past_its_expert(form, dtype, clip):
     """Each expert's last row step reads up to a step past its end (the next expert's rows, then a
-    dispatcher's padding): those rows must count as zeros, through clipped descriptors and through register
-    masks. Padding rows of NaN would poison any dw they touched; uneven experts end mid-step everywhere. The
-    operands are over 128 KB each, as the clipped path asks (grouped.CLIP_MIN_BYTES)."""
-    from tilecomm.overlap.grouped import CLIP_MIN_BYTES, _wgrad
+    dispatcher's padding): those rows must count as zeros, through clipped descriptors (whose view starts in
+    the guard rows before the operands: NaN there, never read) and through register masks. Padding rows of
+    NaN would poison any dw they touched; uneven experts end mid-step everywhere."""
+    from tilecomm.overlap.grouped import ROW_GUARD, _wgrad
 
     x, _, dy, offs = _case([210, 3, 0, 380, 7], 128, 112, torch.float32, seed=13)
-    x = torch.cat([x, torch.full((7, 128), float("nan"))]).to(dtype)
-    dy = torch.cat([dy, torch.full((7, 112), float("nan"))]).to(dtype)
-    assert min(x.nbytes, dy.nbytes) >= CLIP_MIN_BYTES
-    got = _wgrad(x.to(dev()), dy.to(dev()), offs.to(dev()), 5, None, form=form, clip=clip)
+    x = _guarded(torch.cat([x, torch.full((7, 128), float("nan"))]).to(dtype).to(dev()), ROW_GUARD)
+    dy = _guarded(torch.cat([dy, torch.full((7, 112), float("nan"))]).to(dtype).to(dev()), ROW_GUARD)
+    got = _wgrad(x, dy, offs.to(dev()), 5, None, form=form, clip=clip)
     starts = [0] + offs.tolist()[:-1]
-    want = torch.stack([x[s:t].double().T @ dy[s:t].double() for s, t in zip(starts, offs.tolist())])
+    want = torch.stack([x[s:t].cpu().double().T @ dy[s:t].cpu().double() for s, t in zip(starts, offs.tolist())])
     assert torch.isfinite(got.float()).all()
     assert _rel(got, want) < TOL[dtype] and not got[2].any()
+
+
+def test_weight_gradient_clip_needs_guard_rows():
+    """clip=True on operands with no storage before them raises before any kernel runs."""
+    from tilecomm.overlap.grouped import _wgrad
+
+    x, _, dy, offs = _case([3, 5], 16, 16, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="rows of storage before x and dy"):
+        _wgrad(x.to(dev()), dy.to(dev()), offs.to(dev()), 2, None, clip=True)
 
 
 def test_grouped_mm_matches_torch_grouped_mm():
