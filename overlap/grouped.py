@@ -133,28 +133,30 @@ def _steps_of_program(offs_ptr, E, per_expert, BLOCK_K: tl.constexpr, E_PAD: tl.
 
 
 @tilecomm.jit
-def _rows_desc(ptr, R, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CLIP: tl.constexpr):
-    """The weight gradient's row operand: clipped per load at a row bound (CLIP), else the plain [1, R, cols] view."""
+def _rows_desc(ptr, R, valid, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CLIP: tl.constexpr):
+    """The weight gradient's row operand: clipped per load at a row bound (CLIP), else the plain view of its
+    first `valid` rows (the experts' rows: padding rows past them come in as zeros, even if they hold NaN)."""
     if CLIP:
         desc = clipped_rows_desc(ptr, R, cols, stride_r, BLOCK_R, BLOCK_C)
     else:
-        desc = desc3(ptr, 1, R, cols, tl.cast(R, tl.int64) * stride_r, stride_r, BLOCK_R, BLOCK_C)
+        desc = desc3(ptr, 1, valid, cols, tl.cast(R, tl.int64) * stride_r, stride_r, BLOCK_R, BLOCK_C)
     return desc
 
 
 @tilecomm.jit
 def _row_step(x_desc, dy_desc, acc, row, end, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, CLIP: tl.constexpr):
-    """acc + x[row:row + BLOCK_K, off_m:]^T @ dy[row:row + BLOCK_K, off_n:] with the rows at and past `end` as
-    zeros in both operands (the next expert's rows, or padding that may hold NaN): clipped by TMA (CLIP), else
-    masked in registers."""
+    """acc + x[row:row + BLOCK_K, off_m:]^T @ dy[row:row + BLOCK_K, off_n:] with the rows at and past `end` (the
+    next expert's, or padding that may hold NaN) out of the product: clipped to zeros in both operands by TMA
+    (CLIP), else x's masked in registers (a masked operand goes through registers: dy's stays in shared memory;
+    padding rows are already zeros in both, `_rows_desc`)."""
     if CLIP:
         a = clipped_rows_load(x_desc, row, end, off_m, BLOCK_K, BLOCK_M)
         b = clipped_rows_load(dy_desc, row, end, off_n, BLOCK_K, BLOCK_N)
     else:
         ok = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
         a = tl.where(ok, x_desc.load([0, row, off_m]).reshape(BLOCK_K, BLOCK_M), 0)
-        b = tl.where(ok, dy_desc.load([0, row, off_n]).reshape(BLOCK_K, BLOCK_N), 0)
+        b = dy_desc.load([0, row, off_n]).reshape(BLOCK_K, BLOCK_N)
     return tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
 
 
@@ -166,8 +168,9 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; items (expert, K tile of BLOCK_M, N tile), one at a
     time: the expert's rows in BLOCK_K-row steps (`_row_step`); ACC: the accumulator type (fp32; fp64 for fp64
     operands)."""
-    x_desc = _rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
-    dy_desc = _rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
+    valid = tl.load(offs_ptr + E - 1, mask=E > 0, other=0)  # the experts' rows (padding rows follow)
+    x_desc = _rows_desc(x_ptr, R, valid, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
+    dy_desc = _rows_desc(dy_ptr, R, valid, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -197,8 +200,9 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
     tile is converted and stored, and the TMA store of one item overlaps the next item's steps. With
     ~128 rows per expert (a 256-expert layer) each item is two steps and a full-tile store: the
     stores, not the MMAs, bound the kernel. Rows past the expert's end count as zeros (`_row_step`)."""
-    x_desc = _rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
-    dy_desc = _rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
+    valid = tl.load(offs_ptr + E - 1, mask=E > 0, other=0)  # the experts' rows (padding rows follow)
+    x_desc = _rows_desc(x_ptr, R, valid, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
+    dy_desc = _rows_desc(dy_ptr, R, valid, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -299,8 +303,8 @@ def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
 def _wgrad(x, dy, offs, E: int, config, form: str | None = None, clip: bool | None = None) -> torch.Tensor:
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]. form: the kernel, one of WGRAD_FORMS (None: the
     flat one when the experts have at most FLAT_MAX_ROWS rows on average, else per item); config: a GemmConfig,
-    else _WGRAD's for the form; clip: read rows through clipped descriptors (None: on GPUs for 16-bit operands
-    with ROW_GUARD rows of storage before them, see there), else mask them in registers."""
+    else _WGRAD's for the form; clip: read rows through clipped descriptors (None: for operands with ROW_GUARD
+    rows of storage before them, 16-bit ones on GPUs, see there), else mask x's in registers."""
     (R, K), N = x.shape, dy.shape[1]
     dw = torch.empty((E, K, N), dtype=x.dtype, device=x.device)
     if R == 0 or K == 0 or N == 0:
@@ -316,7 +320,9 @@ def _wgrad(x, dy, offs, E: int, config, form: str | None = None, clip: bool | No
         cfg = _TABLE["fp32"]  # IEEE fp32: the FMA path's small tiles (a 128x256 tile's stages overflow shared memory)
     guarded = rows_guarded(x_t, cfg.BLOCK_K) and rows_guarded(dy_t, cfg.BLOCK_K)
     if clip is None:
-        clip = guarded and x.is_cuda and x.element_size() == 2
+        # GPUs: 16-bit operands only (fp32 multiplies on the FMA path: no MMA operand to keep in shared memory);
+        # CPU ranks: any dtype, so that the layers' float64 tests run the path GPUs run
+        clip = guarded and (x.element_size() == 2 or not x.is_cuda)
     elif clip and not guarded:
         raise ValueError(f"_wgrad: clip=True needs {cfg.BLOCK_K} rows of storage before x and dy (tiles.rows_guarded)")
     tiles = E * cdiv(K, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
