@@ -42,11 +42,12 @@ _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmC
 # ~512 rows (its share at EP = 4) 3406 / 3606 and 1702 / 1874; 1536 rows (pretraining down) 332 / 365; ~2048 rows
 # (Mixtral-like) 5620 / 5792 and 2863 / 2792: flat is faster up to 1536, the two even at 2048.
 FLAT_MAX_ROWS = 1536
-# The weight gradient reads rows through clipped descriptors (tiles.clipped_rows_desc) when both operands are
-# 16-bit and have ROW_GUARD rows of their own storage before them (tiles.rows_guarded: the MoE layers allocate
-# theirs so), else masks them in registers: 0.94-0.96x -> 1.14-1.19x torch._grouped_mm on the DeepSeek-like
-# layer (one H200, 2026-11-27). A first form put the view's base R rows before any operand: on one H200 it died
-# of an illegal address in 2 of ~40 pytest calls (12 KB and 155 KB operands), never in the benchmarks or alone.
+# The weight gradient reads rows through clipped descriptors (tiles.clipped_rows_desc) when both operands have
+# ROW_GUARD rows of their own storage before them (tiles.rows_guarded: the MoE layers allocate theirs so; on GPUs
+# 16-bit operands only), else masks x's in registers: 0.94-0.96x -> 1.13-1.21x torch._grouped_mm on the
+# DeepSeek-like layer (one H200, 2026-11-27). A first form put the view's base R rows before any operand,
+# outside its allocation: inside pytest it died of an illegal address with 12 KB fp32 and 155 KB bf16 operands,
+# every time, and never in the benchmarks or run alone (BENCHMARKS.md, 2026-11-27 from 11:29 UTC).
 ROW_GUARD = 64
 # The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
@@ -168,7 +169,7 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; items (expert, K tile of BLOCK_M, N tile), one at a
     time: the expert's rows in BLOCK_K-row steps (`_row_step`); ACC: the accumulator type (fp32; fp64 for fp64
     operands)."""
-    valid = tl.load(offs_ptr + E - 1, mask=E > 0, other=0)  # the experts' rows (padding rows follow)
+    valid = tl.minimum(tl.load(offs_ptr + E - 1, mask=E > 0, other=0), R)  # the experts' rows (padding follows)
     x_desc = _rows_desc(x_ptr, R, valid, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
     dy_desc = _rows_desc(dy_ptr, R, valid, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
@@ -200,7 +201,7 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
     tile is converted and stored, and the TMA store of one item overlaps the next item's steps. With
     ~128 rows per expert (a 256-expert layer) each item is two steps and a full-tile store: the
     stores, not the MMAs, bound the kernel. Rows past the expert's end count as zeros (`_row_step`)."""
-    valid = tl.load(offs_ptr + E - 1, mask=E > 0, other=0)  # the experts' rows (padding rows follow)
+    valid = tl.minimum(tl.load(offs_ptr + E - 1, mask=E > 0, other=0), R)  # the experts' rows (padding follows)
     x_desc = _rows_desc(x_ptr, R, valid, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
     dy_desc = _rows_desc(dy_ptr, R, valid, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
