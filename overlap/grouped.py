@@ -13,10 +13,10 @@ Two persistent TMA kernels (tiles.py) cover the three products:
 * dw[e] = x[rows of e]^T @ dy[rows of e], items (expert, K tile, N tile), two loop forms chosen by the
   mean rows per expert: `_wgrad_kernel` (many rows: per item, a loop over the expert's row steps) and
   `_wgrad_flat_kernel` (few rows, e.g. ~128 in a 256-expert layer: one flat loop over all its items' row
-  steps, so the pipeliner overlaps an item's store with the next item's loads). Rows past an expert's
-  end count as zeros: on 16-bit operands with ROW_GUARD rows of storage before them they are read through
-  descriptors clipped at that row (tiles.clipped_rows_desc; both operands go from shared memory to the MMA),
-  else masked in registers (`_row_step`). Empty experts give 0.
+  steps, so the pipeliner overlaps an item's store with the next item's loads). An expert's row steps are
+  aligned to its end: the first one reaches back before its start, and TMA reads those rows as zeros
+  (tiles.clipped_rows_desc: no register mask, both operands go from shared memory to the MMA, and no row
+  outside the experts' rows is read, so padding past offs[-1] may hold anything). Empty experts give 0.
 `grouped_mm_reference` is the float64-capable torch loop the tests compare with.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tilecomm
 from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
 from .tiles import (_TABLE, GemmConfig, b_desc3, c_desc3, clipped_rows_desc, clipped_rows_load, desc3, dot_precision,
-                    launch_gemm, resolve_config, rows_guarded, store_tile, tile_position, tile_product, tma_operand)
+                    launch_gemm, resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 # Weight-gradient configs, per loop form (`python -m tilecomm.bench.gemm --sweep-grouped ...`, one H100, 2026-11-25).
 _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmConfig(128, 256, 64, 8, 8, 3, 1, False),
@@ -42,13 +42,12 @@ _WGRAD = {"per_item": GemmConfig(128, 256, 64, 8, 8, 3, 2, False), "flat": GemmC
 # ~512 rows (its share at EP = 4) 3406 / 3606 and 1702 / 1874; 1536 rows (pretraining down) 332 / 365; ~2048 rows
 # (Mixtral-like) 5620 / 5792 and 2863 / 2792: flat is faster up to 1536, the two even at 2048.
 FLAT_MAX_ROWS = 1536
-# The weight gradient reads rows through clipped descriptors (tiles.clipped_rows_desc) when both operands have
-# ROW_GUARD rows of their own storage before them (tiles.rows_guarded: the MoE layers allocate theirs so; on GPUs
-# 16-bit operands only), else masks x's in registers: 0.94-0.96x -> 1.13-1.21x torch._grouped_mm on the
-# DeepSeek-like layer (one H200, 2026-11-27). A first form put the view's base R rows before any operand,
-# outside its allocation: inside pytest it died of an illegal address with 12 KB fp32 and 155 KB bf16 operands,
-# every time, and never in the benchmarks or run alone (BENCHMARKS.md, 2026-11-27 from 11:29 UTC).
-ROW_GUARD = 64
+# Rows through clipped descriptors instead of x's tile masked in registers: 0.94-0.96x -> 1.13-1.21x
+# torch._grouped_mm on the DeepSeek-like layer (one H200, 2026-11-27). Two earlier forms clipped at the expert's
+# end with a view based before the operand: R rows before it (inside pytest it died of an illegal address,
+# every time, never in the benchmarks or alone), then 64 guard rows of storage the caller had to allocate
+# (BENCHMARKS.md, 2026-11-27 from 11:29 UTC). Steps aligned to the expert's end clip at its start instead,
+# through a negative coordinate: the view starts at the operand itself.
 # The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
 _ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE}
@@ -134,44 +133,24 @@ def _steps_of_program(offs_ptr, E, per_expert, BLOCK_K: tl.constexpr, E_PAD: tl.
 
 
 @tilecomm.jit
-def _rows_desc(ptr, R, valid, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CLIP: tl.constexpr):
-    """The weight gradient's row operand: clipped per load at a row bound (CLIP), else the plain view of its
-    first `valid` rows (the experts' rows: padding rows past them come in as zeros, even if they hold NaN)."""
-    if CLIP:
-        desc = clipped_rows_desc(ptr, R, cols, stride_r, BLOCK_R, BLOCK_C)
-    else:
-        desc = desc3(ptr, 1, valid, cols, tl.cast(R, tl.int64) * stride_r, stride_r, BLOCK_R, BLOCK_C)
-    return desc
-
-
-@tilecomm.jit
-def _row_step(x_desc, dy_desc, acc, row, end, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, CLIP: tl.constexpr):
-    """acc + x[row:row + BLOCK_K, off_m:]^T @ dy[row:row + BLOCK_K, off_n:] with the rows at and past `end` (the
-    next expert's, or padding that may hold NaN) out of the product: clipped to zeros in both operands by TMA
-    (CLIP), else x's masked in registers (a masked operand goes through registers: dy's stays in shared memory;
-    padding rows are already zeros in both, `_rows_desc`)."""
-    if CLIP:
-        a = clipped_rows_load(x_desc, row, end, off_m, BLOCK_K, BLOCK_M)
-        b = clipped_rows_load(dy_desc, row, end, off_n, BLOCK_K, BLOCK_N)
-    else:
-        ok = ((row + tl.arange(0, BLOCK_K)) < end)[:, None]
-        a = tl.where(ok, x_desc.load([0, row, off_m]).reshape(BLOCK_K, BLOCK_M), 0)
-        b = dy_desc.load([0, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+def _row_step(x_desc, dy_desc, acc, row, start, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """acc + x[row:row + BLOCK_K, off_m:]^T @ dy[row:row + BLOCK_K, off_n:] with the rows before `start` (the
+    previous expert's, or before the first row) out of the product: zeros in both operands (clipped_rows_load)."""
+    a = clipped_rows_load(x_desc, row, start, off_m, BLOCK_K, BLOCK_M)
+    b = clipped_rows_load(dy_desc, row, start, off_n, BLOCK_K, BLOCK_N)
     return tl.dot(a.T, b, acc, input_precision=PRECISION, out_dtype=ACC)
 
 
 @tilecomm.jit
 def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-                  CLIP: tl.constexpr):
+                  EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]; items (expert, K tile of BLOCK_M, N tile), one at a
-    time: the expert's rows in BLOCK_K-row steps (`_row_step`); ACC: the accumulator type (fp32; fp64 for fp64
-    operands)."""
-    valid = tl.minimum(tl.load(offs_ptr + E - 1, mask=E > 0, other=0), R)  # the experts' rows (padding follows)
-    x_desc = _rows_desc(x_ptr, R, valid, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
-    dy_desc = _rows_desc(dy_ptr, R, valid, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
+    time: the expert's rows in BLOCK_K-row steps back from its end (`_row_step`); ACC: the accumulator type
+    (fp32; fp64 for fp64 operands)."""
+    x_desc = clipped_rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M)
+    dy_desc = clipped_rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -182,8 +161,8 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
         end = tl.load(offs_ptr + e)
         acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
         for i in tl.range(0, tl.cdiv(end - start, BLOCK_K)):
-            acc = _row_step(x_desc, dy_desc, acc, start + i * BLOCK_K, end, pid_m * BLOCK_M, pid_n * BLOCK_N,
-                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, ACC, CLIP)
+            acc = _row_step(x_desc, dy_desc, acc, end - (i + 1) * BLOCK_K, start, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, ACC)
         store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, pid_m * BLOCK_M,
                    pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
 
@@ -192,7 +171,7 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride
 def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, stride_dym, stride_dwe, stride_dw,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        EPILOGUE_SPLIT: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-                       CLIP: tl.constexpr, E_PAD: tl.constexpr):
+                       E_PAD: tl.constexpr):
     """`_wgrad_kernel`'s product for experts of few rows: the same items, BLOCK_K rows a step, read the same way.
 
     One flat loop over this program's row steps, all its items in turn (the persistent-matmul form
@@ -200,10 +179,9 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
     item loop with a row loop): the pipeliner then loads the next item's first rows while this item's
     tile is converted and stored, and the TMA store of one item overlaps the next item's steps. With
     ~128 rows per expert (a 256-expert layer) each item is two steps and a full-tile store: the
-    stores, not the MMAs, bound the kernel. Rows past the expert's end count as zeros (`_row_step`)."""
-    valid = tl.minimum(tl.load(offs_ptr + E - 1, mask=E > 0, other=0), R)  # the experts' rows (padding follows)
-    x_desc = _rows_desc(x_ptr, R, valid, K, stride_xm, BLOCK_K, BLOCK_M, CLIP)
-    dy_desc = _rows_desc(dy_ptr, R, valid, N, stride_dym, BLOCK_K, BLOCK_N, CLIP)
+    stores, not the MMAs, bound the kernel. Steps go back from the expert's end, as there (`_row_step`)."""
+    x_desc = clipped_rows_desc(x_ptr, R, K, stride_xm, BLOCK_K, BLOCK_M)
+    dy_desc = clipped_rows_desc(dy_ptr, R, N, stride_dym, BLOCK_K, BLOCK_N)
     dw_desc = c_desc3(dw_ptr, E, K, N, stride_dwe, stride_dw, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT, C_TMA)
     tiles_m = tl.cdiv(K, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -229,8 +207,8 @@ def _wgrad_flat_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, R, K, N, E, stride_xm, s
             start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
             end = tl.load(offs_ptr + e)
             num_steps = tl.maximum(tl.cdiv(end - start, BLOCK_K), 1)
-        acc = _row_step(x_desc, dy_desc, acc, start + step * BLOCK_K, end, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                        PRECISION, ACC, CLIP)
+        acc = _row_step(x_desc, dy_desc, acc, end - (step + 1) * BLOCK_K, start, off_m, off_n, BLOCK_M, BLOCK_N,
+                        BLOCK_K, PRECISION, ACC)
         if step == num_steps - 1:
             store_tile(dw_desc, e, dw_ptr + tl.cast(e, tl.int64) * stride_dwe, stride_dw, K, N, acc, off_m, off_n,
                        BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
@@ -301,11 +279,10 @@ def _launch_rows(x, w, trans, y, offs, cfg: GemmConfig) -> None:
                 PRECISION=dot_precision(x.dtype), E_PAD=next_pow2(E + 1))
 
 
-def _wgrad(x, dy, offs, E: int, config, form: str | None = None, clip: bool | None = None) -> torch.Tensor:
+def _wgrad(x, dy, offs, E: int, config, form: str | None = None) -> torch.Tensor:
     """dw [E, K, N], dw[e] = x[rows of e]^T @ dy[rows of e]. form: the kernel, one of WGRAD_FORMS (None: the
     flat one when the experts have at most FLAT_MAX_ROWS rows on average, else per item); config: a GemmConfig,
-    else _WGRAD's for the form; clip: read rows through clipped descriptors (None: for operands with ROW_GUARD
-    rows of storage before them, 16-bit ones on GPUs, see there), else mask x's in registers."""
+    else _WGRAD's for the form."""
     (R, K), N = x.shape, dy.shape[1]
     dw = torch.empty((E, K, N), dtype=x.dtype, device=x.device)
     if R == 0 or K == 0 or N == 0:
@@ -319,20 +296,13 @@ def _wgrad(x, dy, offs, E: int, config, form: str | None = None, clip: bool | No
     cfg = config if isinstance(config, GemmConfig) else _WGRAD[form if x.is_cuda else "cpu"]
     if x.is_cuda and x.dtype == torch.float32 and not isinstance(config, GemmConfig):
         cfg = _TABLE["fp32"]  # IEEE fp32: the FMA path's small tiles (a 128x256 tile's stages overflow shared memory)
-    guarded = rows_guarded(x_t, cfg.BLOCK_K) and rows_guarded(dy_t, cfg.BLOCK_K)
-    if clip is None:
-        # GPUs: 16-bit operands only (fp32 multiplies on the FMA path: no MMA operand to keep in shared memory);
-        # CPU ranks: any dtype, so that the layers' float64 tests run the path GPUs run
-        clip = guarded and (x.element_size() == 2 or not x.is_cuda)
-    elif clip and not guarded:
-        raise ValueError(f"_wgrad: clip=True needs {cfg.BLOCK_K} rows of storage before x and dy (tiles.rows_guarded)")
     tiles = E * cdiv(K, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
     extra = {"E_PAD": next_pow2(E + 1)} if form == "flat" else {}
     aligned = dw.stride(1) * dw.element_size() % 16 == 0
     launch_gemm(_WGRAD_FORMS[form], tiles, cfg, x_t, dy_t, dw, offs, R, K, N, E, x_t.stride(0),
                 dy_t.stride(0), dw.stride(0), dw.stride(1), C_TMA=aligned and not cfg.POINTER_STORES,
                 PRECISION=dot_precision(x.dtype), ACC=tl.float64 if x.dtype == torch.float64 else tl.float32,
-                CLIP=bool(clip), **extra)
+                **extra)
     return dw
 
 

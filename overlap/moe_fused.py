@@ -53,7 +53,7 @@ from tilecomm.dispatch.normal import _BIG, _route_kernel
 from tilecomm.errors import PeerMismatchError
 from tilecomm.jit import CachedLaunch, cdiv, next_pow2
 
-from .grouped import ROW_GUARD, _wgrad
+from .grouped import _wgrad
 from .moe_comm import _reduce_kernel, _send_kernel
 from .moe_gemm import _down_grad_kernel, _gate_up_kernel, _gather_kernel, _scatter_kernel
 from .moe_config import FusedGemm, FusedMoEConfig
@@ -220,13 +220,10 @@ class FusedMoEWorkspace:
         team = self.team
         _RELEASE.launch_keyed((1,), self.state.consumed[0], team.pes, self.seq[1], team.index, team.size)
 
-    def _rows_buffer(self, rows: int, cols: int, aligned: bool = True) -> torch.Tensor:
-        """[rows, cols] of the data type with ROW_GUARD rows of storage before it (the weight gradient then reads
-        its rows through clipped descriptors: grouped.py); aligned: a 16-byte aligned row stride (a TMA
-        operand), else contiguous (what the kernels that write it assume)."""
-        pad = max(1, 16 // self.dtype.itemsize) if aligned else 1
-        buf = torch.empty((ROW_GUARD + rows, cdiv(cols, pad) * pad), dtype=self.dtype, device=self.device)
-        return buf[ROW_GUARD:, :cols]
+    def _rows_buffer(self, rows: int, cols: int) -> torch.Tensor:
+        """[rows, cols] of the data type with a 16-byte aligned row stride (a TMA operand)."""
+        pad = max(1, 16 // self.dtype.itemsize)
+        return torch.empty((rows, cdiv(cols, pad) * pad), dtype=self.dtype, device=self.device)[:, :cols]
 
     def _wgrad(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """[E_l, A, B]: a[rows of e]^T @ b[rows of e] per local expert."""
@@ -351,9 +348,9 @@ class FusedMoEWorkspace:
         grad_out = grad_out.to(self.dtype).contiguous()
         self._send(grad_out, s.topk_idx, None, s.slots)
         rows = max(R, 1)
-        dh = self._rows_buffer(rows, 2 * F, aligned=False)  # operands of the weight gradients: guard rows first
+        dh = torch.empty((rows, 2 * F), dtype=self.dtype, device=dev)
         g_rows = self._rows_buffer(rows, H)
-        act_w = self._rows_buffer(rows, F, aligned=False)
+        act_w = torch.empty((rows, F), dtype=self.dtype, device=dev)
         w_dn, _ = tma_operand(w_down)
         launch = self.cfg.down_grad
         item_n = self._item_cols(launch, F)

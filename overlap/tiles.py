@@ -223,29 +223,24 @@ def desc3(ptr, groups, rows, cols, stride_g, stride_r, BLOCK_R: tl.constexpr, BL
 
 @tilecomm.jit
 def clipped_rows_desc(ptr, R, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A TMA descriptor of ptr [R, cols] whose loads (`clipped_rows_load`) stop at a row bound given per load:
-    rows at and past it come in as zeros, with no register mask (the tile goes from shared memory straight to
-    the MMA). ptr must have BLOCK_R rows of its own storage before it (rows_guarded): the view starts there.
+    """A TMA descriptor of ptr [R, cols] whose loads (`clipped_rows_load`) start at a row bound given per load:
+    rows before it come in as zeros, with no register mask (the tile goes from shared memory straight to the
+    MMA).
 
-    The view is [R + BLOCK_R, BLOCK_R, cols] over ptr - BLOCK_R rows with both outer strides one row: element
-    [g, r, c] is row g + r - BLOCK_R, and TMA's bound r < BLOCK_R is the row bound g + r - BLOCK_R < g, so
-    the outer coordinate g is where the rows stop. Only in-bounds elements are read, all rows of ptr."""
-    return tl.make_tensor_descriptor(ptr - BLOCK_R * tl.cast(stride_r, tl.int64), [R + BLOCK_R, BLOCK_R, cols],
-                                     [stride_r, stride_r, 1], [1, BLOCK_R, BLOCK_C])
+    The view is [R, BLOCK_R, cols] over ptr with both outer strides one row: element [a, r, c] is row a + r.
+    TMA reads only elements inside the view and fills the others with zeros; a negative r is outside it, so
+    [a, r, c] with a = the first row kept and r <= 0 zero-fills the rows before a. No address outside ptr's
+    rows is formed: the view starts at ptr and every row read lies in [0, R)."""
+    return tl.make_tensor_descriptor(ptr, [R, BLOCK_R, cols], [stride_r, stride_r, 1], [1, BLOCK_R, BLOCK_C])
 
 
 @tilecomm.jit
-def clipped_rows_load(desc, row, end, col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows row .. row + BLOCK_R - 1 of a clipped_rows_desc from column col, those at and past `end` as 0
-    ([BLOCK_R, BLOCK_C]; row < end)."""
-    g = tl.minimum(end, row + BLOCK_R)
-    return desc.load([g, row + BLOCK_R - g, col]).reshape(BLOCK_R, BLOCK_C)
-
-
-def rows_guarded(t: torch.Tensor, rows: int) -> bool:
-    """Whether t (2-D) has `rows` rows of its own storage before its first element (a clipped_rows_desc's
-    view starts there: its base then stays inside the allocation)."""
-    return t.storage_offset() >= rows * t.stride(0)
+def clipped_rows_load(desc, row, start, col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows row .. row + BLOCK_R - 1 of a clipped_rows_desc from column col, those before `start` as 0
+    ([BLOCK_R, BLOCK_C]; row may be negative; the rows read, max(row, start) .. row + BLOCK_R - 1, must lie
+    in [0, R), or all of them are zeros when start = R)."""
+    first = tl.maximum(row, start)
+    return desc.load([first, row - first, col]).reshape(BLOCK_R, BLOCK_C)
 
 
 @tilecomm.jit

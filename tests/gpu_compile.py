@@ -39,8 +39,7 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 # grouped's weight-gradient kernels: GEMM's constexprs but B_TRANS and WARP_SPECIALIZE, and the accumulator type
-WGRAD = dict({k: v for k, v in GEMM.items() if k not in ("B_TRANS", "WARP_SPECIALIZE")}, ACC=triton.language.float32,
-             CLIP=True)
+WGRAD = dict({k: v for k, v in GEMM.items() if k not in ("B_TRANS", "WARP_SPECIALIZE")}, ACC=triton.language.float32)
 WGRAD_SIG = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
              "N": "i32", "E": "i32", "stride_xm": "i32", "stride_dym": "i32", "stride_dwe": I64, "stride_dw": "i32",
              **{k: "constexpr" for k in WGRAD}}
@@ -89,8 +88,6 @@ CASES = [
      dict(GEMM, FLATTEN=True, E_PAD=256)),
     (gr._wgrad_kernel, WGRAD_SIG, WGRAD),
     (gr._wgrad_flat_kernel, dict(WGRAD_SIG, E_PAD="constexpr"), dict(WGRAD, E_PAD=256)),
-    # operands without guard rows: rows masked in registers instead of clipped descriptors (grouped.ROW_GUARD)
-    (gr._wgrad_flat_kernel, dict(WGRAD_SIG, E_PAD="constexpr"), dict(WGRAD, E_PAD=256, CLIP=False)),
     (ov_team._release_kernel, {"consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "me": "i32", "W": "i32"}, {}),
     (ot._matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                          "stride_am": "i32", "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG}, GEMM),

@@ -43,9 +43,8 @@ def operands(E, R, K, N, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     counts = torch.bincount(torch.randint(0, E, (R,), device="cuda", generator=gen), minlength=E)
     offs = counts.cumsum(0).to(torch.int32)
-    # with grouped.ROW_GUARD rows of storage before them, as the MoE layers allocate them (clipped row reads)
-    x = torch.randn(grmod.ROW_GUARD + R, K, device="cuda", generator=gen, dtype=torch.bfloat16)[grmod.ROW_GUARD:]
-    dy = torch.randn(grmod.ROW_GUARD + R, N, device="cuda", generator=gen, dtype=torch.bfloat16)[grmod.ROW_GUARD:]
+    x = torch.randn(R, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    dy = torch.randn(R, N, device="cuda", generator=gen, dtype=torch.bfloat16)
     return x, dy, offs
 
 

@@ -8,9 +8,7 @@ Rows (bf16; FLOPs = 2·M·N·K, µs = triton.testing.do_bench median, L2 flushed
   no link) vs cuBLAS of the same product; workspaces made up front, as layers do;
 * grouped LAYER.proj.product: tilecomm.overlap.grouped_mm's three products (fwd y = x @ w[e],
   dx = dy @ w[e]^T, dw[e] = x_e^T @ dy_e) vs torch._grouped_mm's, for the gate_up ([R, H] x [E, H, 2F])
-  and down ([R, F] x [E, F, H]) projections of three expert layers, rows routed uniformly at random; dw twice:
-  on contiguous operands (rows masked in registers) and on operands with grouped.ROW_GUARD rows of storage
-  before them ("dw.guarded": clipped row reads, the MoE layers' case).
+  and down ([R, F] x [E, F, H]) projections of three expert layers, rows routed uniformly at random.
 ratio = baseline µs / tilecomm µs (> 1: tilecomm faster); wall µs: 20 calls back to back and one synchronize,
 per call (the host cost do_bench hides). Every result is checked against the baseline first (relative
 Frobenius error < 2e-2); a failing row is printed as FAILED and the others still run. --sweep also times
@@ -141,13 +139,6 @@ def _routing(E: int, R: int) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32).cuda()
 
 
-def _with_guard_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """t's values in a view with `rows` rows of storage before it."""
-    buf = torch.empty((rows + t.shape[0], t.shape[1]), dtype=t.dtype, device=t.device)
-    buf[rows:] = t
-    return buf[rows:]
-
-
 def bench_grouped(dt, config) -> list:
     from tilecomm.overlap import grouped as g
 
@@ -155,18 +146,14 @@ def bench_grouped(dt, config) -> list:
     for name, (E, H, F, R) in LAYERS.items():
         offs = _routing(E, R)
         for proj, (K, N) in (("gate_up", (H, 2 * F)), ("down", (F, H))):
-            # x and dy with grouped.ROW_GUARD rows of storage before them, as the MoE layers allocate them:
-            # "dw.guarded" reads rows through clipped descriptors, "dw" (contiguous copies) masks them
-            x = _with_guard_rows(torch.randn(R, K, device="cuda", dtype=dt), g.ROW_GUARD)
+            x = torch.randn(R, K, device="cuda", dtype=dt)
             w = torch.randn(E, K, N, device="cuda", dtype=dt) / math.sqrt(K)
-            dy = _with_guard_rows(torch.randn(R, N, device="cuda", dtype=dt), g.ROW_GUARD)
-            xc, dyc = x.clone(), dy.clone()
+            dy = torch.randn(R, N, device="cuda", dtype=dt)
             products = {
                 "fwd": (lambda: g._rows(x, w, offs, False, config), lambda: torch._grouped_mm(x, w, offs=offs)),
                 "dx": (lambda: g._rows(dy, w, offs, True, config),
                        lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)),
-                "dw": (lambda: g._wgrad(xc, dyc, offs, E, None), lambda: torch._grouped_mm(x.t(), dy, offs=offs)),
-                "dw.guarded": (lambda: g._wgrad(x, dy, offs, E, None), lambda: torch._grouped_mm(x.t(), dy, offs=offs)),
+                "dw": (lambda: g._wgrad(x, dy, offs, E, None), lambda: torch._grouped_mm(x.t(), dy, offs=offs)),
             }
             for prod, (ours, theirs) in products.items():
                 try:
@@ -322,23 +309,13 @@ def main(argv=None) -> None:
 
 
 def _summary(rows) -> None:
-    """Geometric means of the ratios per op family (the issue's bars are stated on them). grouped's "dw.guarded"
-    rows (operands with guard rows, as the MoE layers pass them) make a second mean in place of the "dw" rows."""
-    fams, guarded = {}, {}
+    """Geometric means of the ratios per op family (the issue's bars are stated on them)."""
+    fams = {}
     for r in rows:
-        if r["op"].endswith(".guarded"):
-            guarded[(r["op"][:-len(".guarded")], r["shape"])] = r
-        else:
-            fams.setdefault(r["op"].split(".")[0], []).append(r)
-    for fam, fam_rows in fams.items():
-        _geomean(f"geomean ratio {fam}", [r["ratio"] for r in fam_rows])
-        if any(key[0].startswith(fam + ".") for key in guarded):
-            _geomean(f"geomean ratio {fam}, dw of guard-row operands",
-                     [guarded.get((r["op"], r["shape"]), r)["ratio"] for r in fam_rows])
-
-
-def _geomean(label: str, ratios: list) -> None:
-    print(f"{label}: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} (min {min(ratios):.3f}, {len(ratios)} rows)")
+        fams.setdefault(r["op"].split(".")[0], []).append(r["ratio"])
+    for fam, ratios in fams.items():
+        print(f"geomean ratio {fam}: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} "
+              f"(min {min(ratios):.3f}, {len(ratios)} rows)")
 
 
 if __name__ == "__main__":
