@@ -151,12 +151,14 @@ def test_pretrain_bf16_parameters_on_several_ranks(tmp_path, dispatcher, world):
 
 
 def test_bench_moe_layer_on_two_cpu_ranks(tmp_path):
-    """The MoE layer bench under a launcher: fused, tilecomm and the NCCL path (gloo here) on 2 ranks, their
-    outputs and gradients compared before timing (toy sizes: a smoke test, not a measurement)."""
+    """The MoE layer bench under a launcher: fused, tilecomm (experts on torch._grouped_mm and on tilecomm's
+    grouped_mm) and the NCCL path (gloo here) on 2 ranks, their outputs and gradients compared before timing
+    (toy sizes: a smoke test, not a measurement)."""
     out = tmp_path / "moe.json"
     _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tilecomm.bench",
           "moe_layer", "--backend", "cpu", "--iters", "1", "--json", str(out)], timeout=900)
     rows = json.loads(out.read_text())
     assert [r["op"] for r in rows] == ["moe_layer toy"], rows
     r = rows[0]
-    assert r["world"] == 2 and min(r["fused_us"], r["tilecomm_us"], r["nccl_us"]) > 0 and r["max_rel_diff"] < 1e-5, r
+    assert r["world"] == 2 and min(r["fused_us"], r["tilecomm_us"], r["nccl_us"], r["tc_gemm_us"]) > 0, r
+    assert r["max_rel_diff"] < 1e-5, r

@@ -10,7 +10,9 @@ place of NVLink), or under torchrun on W ranks (expert parallelism over all of t
     python -m tilecomm.bench moe_layer                                   # world 1, this GPU
     torchrun --nproc-per-node 4 -m tilecomm.bench moe_layer              # EP = 4
 
-One layer object runs every path (its dispatcher is swapped: the same weights, router and tokens). Each row,
+One layer object runs every path (its dispatcher is swapped: the same weights, router and tokens); "tc gemm" is
+the tilecomm path with the experts on tilecomm.overlap.grouped_mm (experts impl="tilecomm") instead of
+torch._grouped_mm (impl="auto", what the tilecomm path runs). Each row,
 from one run: µs per forward+backward call (N calls back to back, one synchronize: measure.per_call_us; on W
 ranks the max over ranks), every path, ratio = tilecomm / fused (the issue's bar: >= 1.25), expert TFLOP/s of
 the fused call (6 * rows * hidden * ffn * 3 FLOPs: gate_up, down, forward and twice backward), host syncs of
@@ -89,6 +91,16 @@ def _preset_row(name: str, p: dict, dtype: torch.dtype, iters: int, on_gpu: bool
                 d.free()
 
 
+# path -> (the dispatcher it takes from _preset_row's, the experts' impl)
+_PATHS = {"tilecomm": ("tilecomm", "auto"), "fused": ("fused", "auto"), "nccl": ("nccl", "auto"),
+          "tc_gemm": ("tilecomm", "tilecomm")}
+
+
+def _use_path(layer, kinds: dict, path: str) -> None:
+    kind, impl = _PATHS[path]
+    layer.dispatcher, layer.experts.impl = kinds[kind], impl
+
+
 def _measure_row(name: str, p: dict, c, kinds: dict, iters: int, on_gpu: bool) -> dict:
     from tilecomm.moe.layer import MoELayer
 
@@ -98,32 +110,34 @@ def _measure_row(name: str, p: dict, c, kinds: dict, iters: int, on_gpu: bool) -
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(dtype).requires_grad_()
     grad_out = torch.randn(p["tokens"], p["hidden"], generator=gen, device=dev).to(dtype)
+    paths = [path for path, (kind, _) in _PATHS.items() if kind in kinds]
     results, us, syncs = {}, {}, {}
-    for kind, d in kinds.items():
-        layer.dispatcher = d
+    for path in paths:
+        _use_path(layer, kinds, path)
         y = _step(layer, x, grad_out)
-        results[kind] = [y.detach().clone(), x.grad.clone()] + [q.grad.clone() for q in layer.parameters()]
+        results[path] = [y.detach().clone(), x.grad.clone()] + [q.grad.clone() for q in layer.parameters()]
     names = ["out", "grad x"] + [f"grad {n}" for n, _ in layer.named_parameters()]
     diffs = {}  # {name: largest over ranks and the other paths of |path - tilecomm| / |tilecomm|}
-    for kind in kinds:
-        if kind != "tilecomm":
-            for n, v in _rel_diffs(names, results[kind], results["tilecomm"]).items():
+    for path in paths:
+        if path != "tilecomm":
+            for n, v in _rel_diffs(names, results[path], results["tilecomm"]).items():
                 diffs[n] = max(diffs.get(n, 0.0), _max_over_ranks(v))
     diff = max(diffs.values())
     if diff > 5e-2:
         raise AssertionError(f"moe_layer {name}: the paths differ from the tilecomm path (relative {diff:.3g}; " +
                              ", ".join(f"{n} {v:.2e}" for n, v in diffs.items()) + ")")
-    for kind, d in kinds.items():
-        layer.dispatcher = d
+    for path in paths:
+        _use_path(layer, kinds, path)
         _barrier(on_gpu)
-        us[kind] = _max_over_ranks(measure.per_call_us(lambda: _step(layer, x, grad_out), iters, min(3, iters),
+        us[path] = _max_over_ranks(measure.per_call_us(lambda: _step(layer, x, grad_out), iters, min(3, iters),
                                                        on_gpu=on_gpu))
         with torch.no_grad():
-            syncs[kind] = measure.host_syncs(lambda: layer(x), on_gpu)
+            syncs[path] = measure.host_syncs(lambda: layer(x), on_gpu)
     rows = p["tokens"] * p["topk"]
     flops = 6 * rows * p["hidden"] * p["ffn"] * 3
     return dict(op=f"moe_layer {name}", world=tilecomm.world_size(), fused_us=us["fused"], tilecomm_us=us["tilecomm"],
-                nccl_us=us.get("nccl"), ratio=us["tilecomm"] / us["fused"], fused_tflops=flops / us["fused"] / 1e6,
+                nccl_us=us.get("nccl"), tc_gemm_us=us["tc_gemm"], ratio=us["tilecomm"] / us["fused"],
+                fused_tflops=flops / us["fused"] / 1e6,
                 fused_syncs=syncs["fused"], tilecomm_syncs=syncs["tilecomm"], max_rel_diff=diff, rel_diffs=diffs)
 
 
@@ -176,7 +190,7 @@ def run(backend: str, json_path: Optional[str], iters: int, layers: Optional[Lis
     say(f"MoE layer forward+backward, world {world} (expert parallelism over every rank) on "
         f"{torch.cuda.get_device_name() if on_gpu else 'CPU'}, {dtype}; µs: max over ranks")
     say(f"{'layer':24s} {'fused µs':>10s} {'tilecomm µs':>12s} {'nccl µs':>10s} {'ratio':>6s} {'TFLOP/s':>8s} "
-        f"{'syncs f/t':>9s} {'rel diff':>9s}")
+        f"{'syncs f/t':>9s} {'rel diff':>9s} {'tc gemm µs':>11s}")
     out = []
     for name, p in presets.items():
         try:
@@ -191,7 +205,7 @@ def run(backend: str, json_path: Optional[str], iters: int, layers: Optional[Lis
         nccl = "n/a" if row["nccl_us"] is None else f"{row['nccl_us']:.1f}"
         say(f"{row['op']:24s} {row['fused_us']:10.1f} {row['tilecomm_us']:12.1f} {nccl:>10s} {row['ratio']:6.2f} "
             f"{row['fused_tflops']:8.1f} {row['fused_syncs']:4d}/{row['tilecomm_syncs']:<4d} "
-            f"{row['max_rel_diff']:9.2e}", flush=True)
+            f"{row['max_rel_diff']:9.2e} {row['tc_gemm_us']:11.1f}", flush=True)
         say("    rel diff per tensor: " + ", ".join(f"{n} {v:.1e}" for n, v in row["rel_diffs"].items()), flush=True)
     if json_path and tilecomm.rank() == 0:
         with open(json_path, "w") as f:
