@@ -67,7 +67,11 @@ WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
         (128, 256, 64, 8, 8, 4, 2, False, True, 1)]]
 ROWS_CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 4, 2, False, True, 1), (128, 128, 64, 8, 8, 4, 2, False, True, 1),
-    (128, 128, 64, 8, 4, 3, 2, False, True, 2), (256, 128, 64, 8, 8, 3, 2, False, True, 1)]]
+    (128, 128, 64, 8, 4, 3, 2, False, True, 2), (256, 128, 64, 8, 8, 3, 2, False, True, 1),
+    # warp-specialised item loop (a loader warp group feeds the MMA warps; Triton 3.6 on sm_90): an item's epilogue
+    # beside the next item's loads without the flattened loop (short-K products: pretraining down, K = 768)
+    (128, 256, 64, 16, 8, 3, 2, True, False, 1), (128, 256, 64, 16, 8, 3, 1, True, False, 1),
+    (128, 128, 64, 16, 8, 4, 1, True, False, 1), (128, 256, 64, 4, 8, 3, 2, False, True, 1)]]
 
 
 @tilecomm.jit
@@ -101,7 +105,8 @@ def _rows_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, R, K, N, E, stride_xm, stride_we
     tiles_n = tl.cdiv(N, BLOCK_N)
     starts, counts, item_ends = _expert_table(offs_ptr, R, E, tiles_n, BLOCK_M, E_PAD)
     idx = tl.arange(0, E_PAD)
-    for tile in tl.range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0), flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), tl.max(item_ends, 0), tl.num_programs(0),
+                         flatten=FLATTEN and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
         e = tl.sum((item_ends <= tile).to(tl.int32), 0)
         start, rows = _pick(starts, idx, e), _pick(counts, idx, e)
         tiles_m = tl.cdiv(rows, BLOCK_M)
