@@ -48,9 +48,14 @@ FLAT_MAX_ROWS = 1536
 # every time, never in the benchmarks or alone), then 64 guard rows of storage the caller had to allocate
 # (BENCHMARKS.md, 2026-11-27 from 11:29 UTC). Steps aligned to the expert's end clip at its start instead,
 # through a negative coordinate: the view starts at the operand itself.
-# The row kernels' config for large buckets (the flattened loop; tiles._TABLE's GEMM config is matmul's)
+# The row kernels' configs (the flattened loop; tiles._TABLE's are matmul's), bucketed by (rows per expert, N).
+# "narrow" (one of them below 1024: the DeepSeek-like layer's ~128 rows per expert, the pretraining down
+# projection's dx with N = 768): 128x256 tiles in bands of 4 row tiles, one H200, 2026-11-27 (--sweep-grouped):
+# pretraining down dx 1.141x torch against 0.970 with matmul's narrow 128x128 tiles, DeepSeek-like down dx 1.376
+# against 1.237.
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
-_ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE}
+_ROWS_NARROW = GemmConfig(128, 256, 64, 4, 8, 3, 2, False)
+_ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE, "narrow": _ROWS_NARROW}
 # What `python -m tilecomm.bench.gemm --sweep-grouped ...` times (the data behind _WGRAD and the rows' configs).
 WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 1, False), (128, 256, 64, 4, 8, 3, 1, False),
@@ -66,12 +71,14 @@ WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
         (64, 256, 64, 8, 4, 2, 1, False, True, 2), (128, 128, 128, 8, 8, 2, 1, False, True, 1),
         (128, 256, 64, 8, 8, 4, 2, False, True, 1)]]
 ROWS_CANDIDATES = [GemmConfig(*c) for c in [
-    (128, 256, 64, 8, 8, 4, 2, False, True, 1), (128, 128, 64, 8, 8, 4, 2, False, True, 1),
-    (128, 128, 64, 8, 4, 3, 2, False, True, 2), (256, 128, 64, 8, 8, 3, 2, False, True, 1),
-    # warp-specialised item loop (a loader warp group feeds the MMA warps; Triton 3.6 on sm_90): an item's epilogue
-    # beside the next item's loads without the flattened loop (short-K products: pretraining down, K = 768)
-    (128, 256, 64, 16, 8, 3, 2, True, False, 1), (128, 256, 64, 16, 8, 3, 1, True, False, 1),
-    (128, 128, 64, 16, 8, 4, 1, True, False, 1), (128, 256, 64, 4, 8, 3, 2, False, True, 1)]]
+    # 128x256 in bands of 8 row tiles; matmul's "narrow" 128x128 tiles (the rows' narrow entry until 2026-11-27)
+    (128, 256, 64, 8, 8, 3, 2, False, True, 1), (128, 128, 64, 8, 8, 4, 1, False, True, 1),
+    # warp-specialised item loop (Triton 3.6 on sm_90): 1.09 / 1.38x torch on the pretraining / DeepSeek-like down
+    # dx against 1.14 / 1.38 for _ROWS_NARROW, 1.09 / 1.02 on the Mixtral-like forward (= _ROWS_LARGE); one H200,
+    # 2026-11-27. 128x256x64 with 4 stages needs 262 KB of shared memory (232 KB), 256x128 and two 128x128
+    # programs per SM were 2-25% slower on all five products swept.
+    (128, 256, 64, 16, 8, 3, 2, True, False, 1), (128, 256, 64, 16, 8, 3, 2, False, True, 1),
+    (128, 256, 64, 4, 8, 3, 2, False, True, 1)]]
 
 
 @tilecomm.jit
