@@ -53,9 +53,13 @@ FLAT_MAX_ROWS = 1536
 # projection's dx with N = 768): 128x256 tiles in bands of 4 row tiles, one H200, 2026-11-27 (--sweep-grouped):
 # pretraining down dx 1.141x torch against 0.970 with matmul's narrow 128x128 tiles, DeepSeek-like down dx 1.376
 # against 1.237.
+# The large bucket's dx (dy @ w[e]^T, w read transposed) in bands of 8: Mixtral-like gate_up dx 1.031x torch against
+# 0.982 in bands of 16 (the forward's best).
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
+_ROWS_LARGE_DX = GemmConfig(128, 256, 64, 8, 8, 3, 2, False)
 _ROWS_NARROW = GemmConfig(128, 256, 64, 4, 8, 3, 2, False)
 _ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE, "narrow": _ROWS_NARROW}
+_ROWS_DX_TABLE = {**_ROWS_TABLE, "large": _ROWS_LARGE_DX, "mid": _ROWS_LARGE_DX}
 # What `python -m tilecomm.bench.gemm --sweep-grouped ...` times (the data behind _WGRAD and the rows' configs).
 WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 1, False), (128, 256, 64, 4, 8, 3, 1, False),
@@ -278,7 +282,7 @@ def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
     w_t, flip = tma_operand(w, allow_trans=True)  # w_t is w or w's transpose in the last two dims
     trans = w_trans != flip
     cfg = resolve_config(config, R // max(E, 1) + 1, N, x.dtype, x.device, lambda cfg: _launch_rows(
-        x_t, w_t, trans, y, offs, cfg), table=_ROWS_TABLE)
+        x_t, w_t, trans, y, offs, cfg), table=_ROWS_DX_TABLE if w_trans else _ROWS_TABLE)
     _launch_rows(x_t, w_t, trans, y, offs, cfg)
     return y
 

@@ -28,7 +28,8 @@
 #   commprofile  tests/comm_profile.py: wall / host / kernel time of the collectives beside NCCL's (2+ GPUs)
 #          -> $OUT/comm_profile.log
 #   sweep  tests/collective_sweep.py: the collectives under other CollectiveState knobs (programs per SM, chunk,
-#          step; SWEEP_CONFIGS), each beside NCCL (2+ GPUs; SWEEP_HEAP=1: also on heap tensors); SWEEP_SNAPSHOT=S: a call still running after S s
+#          step; SWEEP_CONFIGS), each beside NCCL (every GPU; at world 1 NCCL's call is a device copy; SWEEP_HEAP=1: also on
+#          heap tensors); SWEEP_SNAPSHOT=S: a call still running after S s
 #          prints its state words (a hang's diagnosis) -> $OUT/sweep.log
 #   overlapprofile  tests/overlap_profile.py: GPU timeline of one fused ag_gemm / gemm_rs call (2+ GPUs)
 #          -> $OUT/overlap_profile.log
@@ -124,7 +125,7 @@ if has commprofile && [ "$NGPU" -ge 2 ]; then
     | sed -u "s/.*named symbol not found//" | tee "$OUT/comm_profile.log" | grep -E "world|wall|Error"
 fi
 
-if has sweep && [ "$NGPU" -ge 2 ]; then  # tests/collective_sweep.py: the collectives' knobs beside NCCL (SWEEP_CONFIGS)
+if has sweep; then  # tests/collective_sweep.py: the collectives' knobs beside NCCL (SWEEP_CONFIGS)
   timeout "${SWEEP_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$NGPU" tests/collective_sweep.py \
     ${SWEEP_CONFIGS:+--configs "$SWEEP_CONFIGS"} ${SWEEP_SNAPSHOT:+--snapshot "$SWEEP_SNAPSHOT"} ${SWEEP_HEAP:+--heap} 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/sweep.log" | grep -E "world|chunk|snapshot|Error"
