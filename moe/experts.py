@@ -5,10 +5,13 @@
     y = experts(x, tokens_per_expert)   # x [R, H] expert-major (rows of expert 0, then 1, ...) -> [R, H]
 
 Per expert e: y = (silu(x @ Wg_e) * (x @ Wu_e)) @ Wd_e, with w_gate_up[e] = [Wg_e | Wu_e] ([H, 2F],
-gate columns first) and w_down[e] = Wd_e ([F, H]). impl="auto" uses torch._grouped_mm where a one-time
-probe (forward and backward against the loop, per device / dtype / shape) says it works, else the loop
-(torch.split by tokens_per_expert.tolist(): one host sync); "grouped" / "loop" force one; "tilecomm"
-runs the same math on tilecomm.overlap.grouped_mm. x may hold
+gate columns first) and w_down[e] = Wd_e ([F, H]). impl="auto" runs tilecomm.overlap.grouped_mm on Hopper
+GPUs (sm_90 or later) in bf16 / fp16 outside torch.compile: the MoE layer forward + backward measured 1.21x
+faster with it than with torch._grouped_mm on the DeepSeek-like layer and level on the pretraining one (one
+H200, `python -m tilecomm.bench moe_layer`, "torch gemm" column, 2026-11-27, BENCHMARKS.md). Elsewhere "auto"
+uses torch._grouped_mm where a one-time probe (forward and backward against the loop, per device / dtype /
+shape) says it works, else the loop (torch.split by tokens_per_expert.tolist(): one host sync); "grouped" /
+"loop" / "tilecomm" force one. x may hold
 more rows than tokens_per_expert counts (a dispatcher's padding rows, last): their outputs are
 unspecified (zero for the loop) and get no gradient. SwiGLU is the fused op of moe/ops/swiglu.py.
 """
@@ -59,6 +62,18 @@ def tilecomm_grouped_mm(a, b, offs):
     from tilecomm.overlap import grouped_mm
 
     return grouped_mm(a, b, offs, check_offs=False)
+
+
+def tilecomm_grouped_mm_fits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether impl="auto" takes tilecomm's grouped_mm: a CUDA device with TMA (sm_90 or later), 16-bit
+    floats (fp32 takes its slower IEEE path), and not under torch.compile (a Triton launch in an autograd
+    Function, which Dynamo does not trace)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
+        return False
+    key = ("tma", device.index)
+    if key not in _PROBED:
+        _PROBED[key] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PROBED[key]
 
 
 def loop_swiglu(x, w_gate_up, w_down, counts: Sequence[int]):
@@ -123,6 +138,13 @@ class GroupedSwiGLUExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.stack(gu).to(device=device, dtype=dtype))
         self.w_down = nn.Parameter(torch.stack(dn).to(device=device, dtype=dtype))
 
+    def grouped_mm_impl(self, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+        """Which grouped GEMM forward runs for inputs of `dtype` on `device`: "tilecomm", "torch", or None
+        (the loop)."""
+        if self.impl == "tilecomm" or (self.impl == "auto" and tilecomm_grouped_mm_fits(device, dtype)):
+            return "tilecomm"
+        return "torch" if self.use_grouped(dtype) else None
+
     def use_grouped(self, dtype: Optional[torch.dtype] = None) -> bool:
         """Whether forward runs torch._grouped_mm for inputs of `dtype` (default: the weights')."""
         if self.impl != "auto":
@@ -139,10 +161,11 @@ class GroupedSwiGLUExperts(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # grouped GEMMs are no autocast ops: cast as matmul would
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
-        if self.use_grouped(w_down.dtype):
-            offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)
-            return grouped_swiglu(x, w_gate_up, w_down, offs, tilecomm_grouped_mm if self.impl == "tilecomm" else None)
-        return loop_swiglu(x, w_gate_up, w_down, tokens_per_expert.tolist())
+        impl = self.grouped_mm_impl(w_down.dtype, x.device)
+        if impl is None:
+            return loop_swiglu(x, w_gate_up, w_down, tokens_per_expert.tolist())
+        offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)
+        return grouped_swiglu(x, w_gate_up, w_down, offs, tilecomm_grouped_mm if impl == "tilecomm" else None)
 
 
 class SharedExpert(nn.Module):

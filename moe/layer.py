@@ -53,7 +53,7 @@ class MoEConfig:
     seed: int = 0
     init_std: float = 0.02
     max_tokens_per_rank: int = 65536  # for the default tilecomm Dispatcher
-    experts_impl: str = "auto"  # "auto" | "grouped" | "loop"
+    experts_impl: str = "auto"  # "auto" | "grouped" | "loop" | "tilecomm" (experts.GroupedSwiGLUExperts)
 
     def __post_init__(self):
         for name in ("hidden", "ffn_hidden", "num_experts", "max_tokens_per_rank"):

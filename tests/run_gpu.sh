@@ -22,8 +22,8 @@
 #   train  examples/pretrain_moe.py --preset h200x4 on all GPUs, each of TRAIN_DISPATCHERS (one GPU: tilecomm; more: tilecomm
 #          nccl fused), TRAIN_STEPS steps; TRAIN_ARGS (default --no-checkpoint: the preset's final checkpoint, 33 GB at 4 GPUs,
 #          outlasted the phase's limit on 2026-11-26) -> $OUT/train_*.jsonl
-#   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm (its experts on torch._grouped_mm, and on tilecomm's
-#          grouped_mm: "tc gemm"), world 1, one GPU (MOE_ARGS: e.g. "--layers deepseek_v3")
+#   moe    MoE layer fwd+bwd, dispatcher fused beside tilecomm (its experts as impl="auto" picks: tilecomm's grouped_mm
+#          on Hopper, and on torch._grouped_mm: "torch gemm"), world 1, one GPU (MOE_ARGS: e.g. "--layers deepseek_v3")
 #          -> $OUT/moe_layer.json
 #   commprofile  tests/comm_profile.py: wall / host / kernel time of the collectives beside NCCL's (2+ GPUs)
 #          -> $OUT/comm_profile.log

@@ -160,5 +160,5 @@ def test_bench_moe_layer_on_two_cpu_ranks(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["op"] for r in rows] == ["moe_layer toy"], rows
     r = rows[0]
-    assert r["world"] == 2 and min(r["fused_us"], r["tilecomm_us"], r["nccl_us"], r["tc_gemm_us"]) > 0, r
+    assert r["world"] == 2 and min(r["fused_us"], r["tilecomm_us"], r["nccl_us"], r["torch_gemm_us"]) > 0, r
     assert r["max_rel_diff"] < 1e-5, r

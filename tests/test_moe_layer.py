@@ -159,7 +159,7 @@ def _swiglu_reference(x, wgu, wd, counts):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("impl", ["grouped", "loop", "auto"])
+@pytest.mark.parametrize("impl", ["grouped", "loop", "auto", "tilecomm"])
 def test_grouped_experts_match_reference(impl):
     H, F, counts = 8, 12, [3, 0, 5, 2]
     if impl == "grouped" and not grouped_mm_works(torch.device("cpu"), torch.float32, H, F):
@@ -176,6 +176,25 @@ def test_grouped_experts_match_reference(impl):
         torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
     expanded = ex(x, torch.tensor(counts)).sum()  # an expanded (stride-0) output gradient
     expanded.backward()
+
+
+@pytest.mark.parametrize("capability, dtype, device, picked", [
+    ((9, 0), torch.bfloat16, "cuda", "tilecomm"), ((10, 0), torch.float16, "cuda", "tilecomm"),
+    ((8, 0), torch.bfloat16, "cuda", "torch"), ((9, 0), torch.float32, "cuda", "torch"),
+    ((9, 0), torch.bfloat16, "cpu", "torch")])
+def test_auto_experts_take_tilecomm_grouped_mm_on_hopper_in_16_bits(monkeypatch, capability, dtype, device, picked):
+    """impl="auto": tilecomm's grouped_mm (TMA) on sm_90+ in bf16/fp16, torch._grouped_mm elsewhere (probe stubbed)."""
+    from tilecomm.moe import experts
+
+    monkeypatch.setattr(experts, "_PROBED", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(experts, "grouped_mm_works", lambda *a: True)
+    ex = GroupedSwiGLUExperts(2, 8, 4, torch.float32, impl="auto")
+    assert ex.grouped_mm_impl(dtype, torch.device(device, 0) if device == "cuda" else torch.device("cpu")) == picked
+    ex.impl = "tilecomm"
+    assert ex.grouped_mm_impl(dtype, torch.device("cpu")) == "tilecomm"
+    ex.impl = "loop"
+    assert ex.grouped_mm_impl(dtype, torch.device("cpu")) is None
 
 
 def test_shared_expert_and_local_layer_match_dense_reference():

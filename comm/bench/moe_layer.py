@@ -10,9 +10,10 @@ place of NVLink), or under torchrun on W ranks (expert parallelism over all of t
     python -m tilecomm.bench moe_layer                                   # world 1, this GPU
     torchrun --nproc-per-node 4 -m tilecomm.bench moe_layer              # EP = 4
 
-One layer object runs every path (its dispatcher is swapped: the same weights, router and tokens); "tc gemm" is
-the tilecomm path with the experts on tilecomm.overlap.grouped_mm (experts impl="tilecomm") instead of
-torch._grouped_mm (impl="auto", what the tilecomm path runs). Each row,
+One layer object runs every path (its dispatcher is swapped: the same weights, router and tokens); "torch gemm"
+is the tilecomm path with the experts on torch._grouped_mm (experts impl="grouped") instead of what impl="auto"
+runs (on Hopper GPUs in bf16: tilecomm.overlap.grouped_mm; the column is the measurement behind that choice,
+moe/experts.py). Each row,
 from one run: µs per forward+backward call (N calls back to back, one synchronize: measure.per_call_us; on W
 ranks the max over ranks), every path, ratio = tilecomm / fused (the issue's bar: >= 1.25), expert TFLOP/s of
 the fused call (6 * rows * hidden * ffn * 3 FLOPs: gate_up, down, forward and twice backward), host syncs of
@@ -93,7 +94,7 @@ def _preset_row(name: str, p: dict, dtype: torch.dtype, iters: int, on_gpu: bool
 
 # path -> (the dispatcher it takes from _preset_row's, the experts' impl)
 _PATHS = {"tilecomm": ("tilecomm", "auto"), "fused": ("fused", "auto"), "nccl": ("nccl", "auto"),
-          "tc_gemm": ("tilecomm", "tilecomm")}
+          "torch_gemm": ("tilecomm", "grouped")}
 
 
 def _use_path(layer, kinds: dict, path: str) -> None:
@@ -136,7 +137,7 @@ def _measure_row(name: str, p: dict, c, kinds: dict, iters: int, on_gpu: bool) -
     rows = p["tokens"] * p["topk"]
     flops = 6 * rows * p["hidden"] * p["ffn"] * 3
     return dict(op=f"moe_layer {name}", world=tilecomm.world_size(), fused_us=us["fused"], tilecomm_us=us["tilecomm"],
-                nccl_us=us.get("nccl"), tc_gemm_us=us["tc_gemm"], ratio=us["tilecomm"] / us["fused"],
+                nccl_us=us.get("nccl"), torch_gemm_us=us["torch_gemm"], ratio=us["tilecomm"] / us["fused"],
                 fused_tflops=flops / us["fused"] / 1e6,
                 fused_syncs=syncs["fused"], tilecomm_syncs=syncs["tilecomm"], max_rel_diff=diff, rel_diffs=diffs)
 
@@ -190,7 +191,7 @@ def run(backend: str, json_path: Optional[str], iters: int, layers: Optional[Lis
     say(f"MoE layer forward+backward, world {world} (expert parallelism over every rank) on "
         f"{torch.cuda.get_device_name() if on_gpu else 'CPU'}, {dtype}; µs: max over ranks")
     say(f"{'layer':24s} {'fused µs':>10s} {'tilecomm µs':>12s} {'nccl µs':>10s} {'ratio':>6s} {'TFLOP/s':>8s} "
-        f"{'syncs f/t':>9s} {'rel diff':>9s} {'tc gemm µs':>11s}")
+        f"{'syncs f/t':>9s} {'rel diff':>9s} {'torch gemm µs':>14s}")
     out = []
     for name, p in presets.items():
         try:
@@ -205,7 +206,7 @@ def run(backend: str, json_path: Optional[str], iters: int, layers: Optional[Lis
         nccl = "n/a" if row["nccl_us"] is None else f"{row['nccl_us']:.1f}"
         say(f"{row['op']:24s} {row['fused_us']:10.1f} {row['tilecomm_us']:12.1f} {nccl:>10s} {row['ratio']:6.2f} "
             f"{row['fused_tflops']:8.1f} {row['fused_syncs']:4d}/{row['tilecomm_syncs']:<4d} "
-            f"{row['max_rel_diff']:9.2e} {row['tc_gemm_us']:11.1f}", flush=True)
+            f"{row['max_rel_diff']:9.2e} {row['torch_gemm_us']:14.1f}", flush=True)
         say("    rel diff per tensor: " + ", ".join(f"{n} {v:.1e}" for n, v in row["rel_diffs"].items()), flush=True)
     if json_path and tilecomm.rank() == 0:
         with open(json_path, "w") as f:
