@@ -53,13 +53,12 @@ FLAT_MAX_ROWS = 1536
 # projection's dx with N = 768): 128x256 tiles in bands of 4 row tiles, one H200, 2026-11-27 (--sweep-grouped):
 # pretraining down dx 1.141x torch against 0.970 with matmul's narrow 128x128 tiles, DeepSeek-like down dx 1.376
 # against 1.237.
-# The large bucket's dx (dy @ w[e]^T, w read transposed) in bands of 8: Mixtral-like gate_up dx 1.031x torch against
-# 0.982 in bands of 16 (the forward's best).
+# The large bucket's dx in bands of 8 or 4 was tried (two H200 sweeps, 2026-11-27): the pretraining gate_up dx went
+# 0.994 -> 0.914 (8) / 1.021 (4), the Mixtral-like gate_up dx 0.954-0.991 -> 0.987-1.031 (8) / 1.013-1.035 (4), its
+# down dx 1.039 -> 1.031 / 1.005: within the runs' spread, so dx keeps the forward's bands of 16.
 _ROWS_LARGE = GemmConfig(128, 256, 64, 16, 8, 3, 2, False)
-_ROWS_LARGE_DX = GemmConfig(128, 256, 64, 8, 8, 3, 2, False)
 _ROWS_NARROW = GemmConfig(128, 256, 64, 4, 8, 3, 2, False)
 _ROWS_TABLE = {**_TABLE, "large": _ROWS_LARGE, "mid": _ROWS_LARGE, "narrow": _ROWS_NARROW}
-_ROWS_DX_TABLE = {**_ROWS_TABLE, "large": _ROWS_LARGE_DX, "mid": _ROWS_LARGE_DX}
 # What `python -m tilecomm.bench.gemm --sweep-grouped ...` times (the data behind _WGRAD and the rows' configs).
 WGRAD_CANDIDATES = [GemmConfig(*c) for c in [
     (128, 256, 64, 8, 8, 3, 2, False), (128, 256, 64, 16, 8, 3, 1, False), (128, 256, 64, 4, 8, 3, 1, False),
@@ -282,7 +281,7 @@ def _rows(x, w, offs, w_trans: bool, config) -> torch.Tensor:
     w_t, flip = tma_operand(w, allow_trans=True)  # w_t is w or w's transpose in the last two dims
     trans = w_trans != flip
     cfg = resolve_config(config, R // max(E, 1) + 1, N, x.dtype, x.device, lambda cfg: _launch_rows(
-        x_t, w_t, trans, y, offs, cfg), table=_ROWS_DX_TABLE if w_trans else _ROWS_TABLE)
+        x_t, w_t, trans, y, offs, cfg), table=_ROWS_TABLE)
     _launch_rows(x_t, w_t, trans, y, offs, cfg)
     return y
 

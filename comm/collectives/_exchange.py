@@ -22,8 +22,9 @@ the host and a captured CUDA graph replays correctly):
             reader's ring (stores over NVLink, no round trip) and SETs `ready = e << 32 | i + 1`; the
             reader copies it from its own ring into its output and SETs the writer's `done = e << 32 |
             i + 1` (not after its last chunk: step 3 says it); the writer reuses a ring slot only once
-            the reader is done with it. The ring is small (L2-resident on GPUs), so a staged call reads
-            and writes device memory about as often as one copy does.
+            the reader is done with it. A staged call costs about two copies at world 1, whatever the
+            ring's size: one H200, all_gather 8192^2 127-190 µs for rings of 8-66 MiB against 68 for a
+            copy (in place: 80; tests/collective_sweep.py, 2026-11-27, BENCHMARKS.md).
             In place (inputs on the symmetric heap): the reader copies straight from the writer's tensor.
 3. finish   the reader SETs `done = e << 32 | ALL`. A writer whose input is read in place waits for it
             before it exits, so the input is free for the caller's next kernel; a staged writer's input
