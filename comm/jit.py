@@ -162,6 +162,7 @@ def _run_helper(fn: InterpretedFunction, args, kwargs):
     langs = _langs(fn.fn)
     if not langs <= _LANGS_PATCHED:
         _LANGS_PATCHED.update(langs)
+        _PlainJitCallsInterpreted.helper_patched = True
         return fn(*args, **kwargs)
     try:
         return fn.rewrite()(*args, **kwargs)
@@ -179,7 +180,16 @@ def _call_interpreted(self: JITFunction, *args, **kwargs):
 class _PlainJitCallsInterpreted:
     """While an interpreted launch runs, a plain `triton.jit` function called from it (Triton's own
     `tl.zeros`, `tl.sum`, `tl.cdiv`... or a user's helper) runs interpreted too, as it would
-    under TRITON_INTERPRET=1. Outside, JITFunction.__call__ keeps raising as usual."""
+    under TRITON_INTERPRET=1. Outside, JITFunction.__call__ keeps raising as usual.
+
+    On exit the language modules are as they were on entry. Triton (3.6) patches the language modules of a
+    device function on each call of it (InterpretedFunction.__call__) and never undoes it: a helper from a
+    module with `tl.core` in its globals (Triton's own tl.sum, tl.cdiv...) left tl.core's builtins patched, and
+    every later compile in the process failed ("'ir.value' object has no attribute 'dtype'"): a GPU process that
+    ran a kernel on CPU tensors could compile no kernel afterwards (tests/test_jit_launch.py)."""
+
+    helper_patched = False  # set by _run_helper when a helper patched modules the launch had not
+    _MODULES = (tl, tl.core, tl.core.tensor, tl.math, tl.core.tensor_descriptor_base)
 
     def __init__(self, kernel_fn):
         self.kernel_fn = kernel_fn  # the launch patches its language modules (Triton's GridExecutor)
@@ -188,10 +198,19 @@ class _PlainJitCallsInterpreted:
         _LANGS_PATCHED.clear()
         _LANGS_PATCHED.update(_langs(self.kernel_fn))
         self.saved = JITFunction.__call__
+        self.modules = [(m, dict(vars(m))) for m in self._MODULES]
+        _PlainJitCallsInterpreted.helper_patched = False
         JITFunction.__call__ = _call_interpreted
 
     def __exit__(self, *exc):
         JITFunction.__call__ = self.saved
+        if _PlainJitCallsInterpreted.helper_patched:
+            for module, entry in self.modules:
+                now = vars(module)
+                for name in [n for n in now if n not in entry]:
+                    delattr(module, name)
+                for name in [n for n, v in now.items() if entry[n] is not v]:
+                    setattr(module, name, entry[name])
 
 
 def _unwrap_interpreter_error(err: BaseException) -> BaseException:

@@ -56,3 +56,24 @@ def test_bound_launch_runs_the_kernel_with_each_calls_arguments():
         bound.launch((1,), out, n_dyn)
         torch.testing.assert_close(out, 1.5 * x + y + 2 + n_dyn, rtol=0, atol=1e-12)
     assert torch.isnan(first).all()  # the binding's own tensor at a varying place is not written
+
+
+@tilecomm.jit
+def _row_sums(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr, tl.sum(tl.load(x_ptr + i, mask=i < n, other=0.0), axis=0))  # tl.sum: a helper of tl.core's
+
+
+def test_interpreted_launch_leaves_the_language_modules_as_it_found_them():
+    """Triton's interpreter patches the language modules of each helper it calls and never undoes it; tilecomm
+    restores them after the launch, or a GPU process that ran a kernel on CPU tensors cannot compile any kernel
+    afterwards (found on one H200, 2026-11-27: "'ir.value' object has no attribute 'dtype'")."""
+    modules = (tl, tl.core, tl.core.tensor, tl.math, tl.core.tensor_descriptor_base)
+    before = [dict(vars(m)) for m in modules]
+    x, out = torch.arange(10, dtype=torch.float32), torch.zeros(1)
+    _row_sums[(1,)](x, out, 10, BLOCK=16)
+    assert out.item() == 45.0
+    for m, was in zip(modules, before):
+        now = dict(vars(m))
+        changed = sorted(n for n in set(now) | set(was) if now.get(n) is not was.get(n))
+        assert not changed, f"{m.__name__}: {changed[:10]}"
