@@ -106,6 +106,7 @@ class Dispatcher:
         else:
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
             self.device = None
+        self._on_cuda = None if self.device is None else self.device.type == "cuda"  # read on every call
         args = (num_experts, hidden, max_tokens_per_rank, topk, str(dtype), mode, backend)
         self._agree(args, group if backend == "nccl" else None)
         if mode not in ("normal", "low_latency"):
@@ -195,23 +196,24 @@ class Dispatcher:
             raise ValueError(f"dispatch: x must be [num_tokens, hidden={self.hidden}], got {getattr(x, 'shape', type(x))}")
         if x.dtype != self.dtype:
             raise TypeError(f"dispatch: x dtype {x.dtype}; this Dispatcher was made for {self.dtype}")
-        if self.device is not None and x.is_cuda != (self.device.type == "cuda"):
+        if self._on_cuda is not None and x.is_cuda != self._on_cuda:
             raise ValueError(f"dispatch: x is on {x.device}; the tilecomm runtime's tensors are on {self.device}")
         T = x.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"dispatch: {T} tokens > max_tokens_per_rank={self.max_tokens}")
-        if not isinstance(topk_idx, torch.Tensor) or tuple(topk_idx.shape) != (T, self.topk):
+        shape = (T, self.topk)  # (a torch.Size equals the tuple of its sizes: no tuple() per call)
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.shape != shape:
             raise ValueError(f"dispatch: topk_idx must be [num_tokens={T}, topk={self.topk}], got {getattr(topk_idx, 'shape', None)}")
         if topk_idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"dispatch: topk_idx must be int32 or int64, got {topk_idx.dtype}")
-        if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (T, self.topk):
+        if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != shape:
             raise ValueError(f"dispatch: topk_weights must be [num_tokens={T}, topk={self.topk}], got {getattr(topk_weights, 'shape', None)}")
         if not topk_weights.is_floating_point():
             raise TypeError(f"dispatch: topk_weights must be floating point, got {topk_weights.dtype}")
         on = x.get_device()  # -1 on CPU: cheaper than comparing torch.device objects
-        for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
-            if t.get_device() != on:
-                raise ValueError(f"dispatch: {name} is on {t.device}, x on {x.device}")
+        if topk_idx.get_device() != on or topk_weights.get_device() != on:
+            name, t = ("topk_idx", topk_idx) if topk_idx.get_device() != on else ("topk_weights", topk_weights)
+            raise ValueError(f"dispatch: {name} is on {t.device}, x on {x.device}")
         # expert ids are checked on the device (one host read at most): ValueError at the end of the call
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -290,7 +292,7 @@ class Dispatcher:
             if not isinstance(handle, DispatchHandle) or handle.backend != self.backend:
                 raise ValueError("combine: handle must be the DispatchHandle this Dispatcher's dispatch returned")
             shape = (handle.num_recv_rows, handle.hidden)
-        if not isinstance(y, torch.Tensor) or tuple(y.shape) != shape:
+        if not isinstance(y, torch.Tensor) or y.shape != shape:
             raise ValueError(f"combine: y must be {list(shape)} (res.x's shape), got {getattr(y, 'shape', type(y))}")
         if not y.is_floating_point() or y.element_size() > self.dtype.itemsize:
             raise TypeError(f"combine: y dtype {y.dtype}; expected a floating dtype no wider than {self.dtype}")

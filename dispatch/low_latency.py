@@ -385,17 +385,20 @@ class LowLatencyEngine:
         role is queued; the outputs are filled once recv_hook() has queued the receive role."""
         self.state.check_live()
         self.check_errors()
-        W, E_L, M, H = self.W, self.E_L, self.M, self.H
-        T, cap, dev, cp = x.shape[0], W * M, x.device, self.cfg.col_programs
-        topk, weights = self._or_dummy(topk_idx.contiguous()), self._or_dummy(topk_weights.float().contiguous())
+        E_L, H, cap = self.E_L, self.H, self.W * self.M
+        T, dev = x.shape[0], x.device
+        topk, weights, x_arg = topk_idx.contiguous(), topk_weights.float().contiguous(), x
+        if not T:  # (empty tensors have no pointer a kernel may take)
+            topk, weights, x_arg = self._or_dummy(topk), self._or_dummy(weights), self._or_dummy(x)
         out_x = torch.empty((E_L, cap, H), dtype=x.dtype, device=dev)
         out_w = torch.empty((E_L, cap), dtype=torch.float32, device=dev)
         per_expert = torch.empty(E_L, dtype=torch.int64, device=dev)
         maps = torch.empty(self._map_words, dtype=torch.int32, device=dev)
-        handle = LowLatencyHandle(out_w, maps, per_expert, cap, W, T, received=False)
-        x_arg = self._or_dummy(x)
+        handle = LowLatencyHandle(out_w, maps, per_expert, cap, self.W, T, received=not defer_recv)
         bound = self._bound.get(("dispatch", x.dtype, topk.dtype))
         if bound is None:
+            W, M = self.W, self.M
+            cp = self.cfg.col_programs
             recv, row = self._staging("recv", x.dtype)
             recv_w, recv_src, count, epoch = self._bufs
             # varying: x, topk, weights, the four outputs, N_SEND, N_RECV, T (positions below)
@@ -405,21 +408,20 @@ class LowLatencyEngine:
                                         per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row],
                 (0, 1, 2, 12, 13, 14, 15, 16, 17, 19), ALIGN=16 // x.element_size(), **self._dispatch_consts)
 
-        def launch(n_send: int, n_recv: int) -> None:
+        n_send = max(T, 1) * self.cfg.col_programs
+        if not defer_recv:  # the decode hot path: both roles in one launch
+            n_recv = self._n_recv
             bound.launch((n_send + n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, n_recv, T)
+            return out_x, out_w, per_expert, handle, None
+        bound.launch((n_send,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, 0, T)
 
         def recv_hook() -> None:
             if handle.received:
                 raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
-            launch(0, self._n_recv)
+            bound.launch((self._n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, 0, self._n_recv, T)
             handle.received = True
 
-        if defer_recv:
-            launch(max(T, 1) * cp, 0)
-        else:
-            launch(max(T, 1) * cp, self._n_recv)
-            handle.received = True
-        return out_x, out_w, per_expert, handle, (recv_hook if defer_recv else None)
+        return out_x, out_w, per_expert, handle, recv_hook
 
     def combine(self, y: torch.Tensor, h: LowLatencyHandle) -> torch.Tensor:
         """y [E_l, cap, H] (rows in the dispatch's order) -> out [T, H] = sum_k w[t, k] * y[row(t, k)]."""
@@ -430,7 +432,7 @@ class LowLatencyEngine:
                              "has not run, so its rows are not there yet")
         T, cp = h.num_tokens, self.cfg.col_programs
         out = torch.empty((T, self.H), dtype=y.dtype, device=y.device)
-        out_arg, n_sum = self._or_dummy(out), max(T, 1) * cp
+        out_arg, n_sum = (out, T * cp) if T else (self._or_dummy(out), cp)
         bound = self._bound.get(("combine", y.dtype))
         if bound is None:
             back, row = self._staging("back", y.dtype)

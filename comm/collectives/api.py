@@ -126,15 +126,32 @@ def _words(t: torch.Tensor):
 
 
 def _a2a(output: torch.Tensor, input: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
-    ctx = runtime.current()
-    src, scale = _words(input)
-    out, _ = _words(output)
-    rows = input.shape[0]
-    row = (src.numel() // rows if rows else math.prod(input.shape[1:]) * scale)
     if in_splits == out_splits and in_splits.count(in_splits[0]) == len(in_splits):
-        ctx.collectives.exchange(src, out, None, in_splits[0] * row, gather=False)
+        _a2a_even(output, input, in_splits[0])
         return
-    ctx.collectives.exchange(src, out, (in_splits, out_splits, row), 0, gather=False)
+    src, row = _moved_rows(input)
+    runtime.current().collectives.exchange(src, _words(output)[0], (in_splits, out_splits, row), 0, gather=False)
+
+
+def _a2a_even(output: torch.Tensor, input: torch.Tensor, rows_per_peer: int) -> None:
+    """all_to_all of rows_per_peer rows to (and from) every rank."""
+    src, row = _moved_rows(input)
+    runtime.current().collectives.exchange(src, _words(output)[0], None, rows_per_peer * row, gather=False)
+
+
+def _moved_rows(input: torch.Tensor):
+    """(input as moved elements, moved elements per row of input)."""
+    src, scale = _words(input)
+    rows = input.shape[0]
+    return src, (src.numel() // rows if rows else math.prod(input.shape[1:]) * scale)
+
+
+def _same_past_dim0(a: torch.Size, b: torch.Size) -> bool:
+    """a[1:] == b[1:] for sizes of at least one dimension (2-D without slicing a torch.Size, ~0.4 µs a call)."""
+    n = len(a)
+    if n != len(b) or n == 0:
+        return False
+    return a[1] == b[1] if n == 2 else a[1:] == b[1:]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -155,8 +172,15 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     """torch.distributed.all_to_all_single on the tilecomm runtime (see the package docstring)."""
     what = "tilecomm.all_to_all_single"
     ctx = _check_call(what, group, "output", output, "input", input)
-    if not (output.dim() >= 1 and input.dim() >= 1 and output.shape[1:] == input.shape[1:]):
+    in_shape, out_shape = input.shape, output.shape
+    if not _same_past_dim0(out_shape, in_shape):
         raise ValueError(f"{what}: output {tuple(output.shape)} and input {tuple(input.shape)} must agree past dim 0")
+    if ((input_split_sizes is None or len(input_split_sizes) == 0)
+            and (output_split_sizes is None or len(output_split_sizes) == 0) and in_shape[0] == out_shape[0]
+            and in_shape[0] % ctx.world_size == 0 and not (input.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling()):  # the common call, eager: no split lists to build and compare
+        _a2a_even(output, input, in_shape[0] // ctx.world_size)
+        return Work(output) if async_op else None
     in_splits = _splits(what, "input_split_sizes", input_split_sizes, input.shape[0], ctx.world_size)
     out_splits = _splits(what, "output_split_sizes", output_split_sizes, output.shape[0], ctx.world_size)
     if _compiling(what, async_op):
