@@ -86,8 +86,8 @@ def main():
     rows.append(("all_to_all_single (public), GPU busy", host_us(lambda: tilecomm.all_to_all_single(out, x), busy=True)))
     rows.append(("all_gather_into_tensor (public)", host_us(lambda: tilecomm.all_gather_into_tensor(out, x))))
     rows.append(("  checks: _check_call", host_us(lambda: api._check_call("w", None, "o", out, "i", x))))
-    rows.append(("  checks: _splits x2", host_us(lambda: (api._splits("w", "a", None, 128, 1), api._splits("w", "b", None, 128, 1)))))
-    rows.append(("  _a2a (state + launch)", host_us(lambda: api._a2a(out, x, [128], [128]))))
+    rows.append(("  _a2a_even (state + launch: the even eager call)", host_us(lambda: api._a2a_even(out, x, 128))))
+    rows.append(("  _a2a (split lists compared, then the same)", host_us(lambda: api._a2a(out, x, [128], [128]))))
 
     captured = {}
     real_launch = BoundLaunch.launch
