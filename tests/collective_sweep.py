@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 4 tests/collective_sweep.py [--configs "1/128/32,2/64/32"]
 
 Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 0: reduce_scatter
-unstaggered (default 1, CollectiveState.rs_stagger)]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
+unstaggered (default 1, CollectiveState.rs_stagger) [/ 1: L2 eviction hints on the staged pairs (default 0,
+CollectiveState.ring_hints)]]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
 holds two rings of that chunk), every case is checked against NCCL's result once, then timed (µs per call, 50
 calls back to back, the slowest rank's). --heap adds each case again with input and output on the symmetric heap
 (tilecomm.empty: read in place by the peers, no staging ring).
@@ -130,11 +131,11 @@ def main():
     sms = torch.cuda.get_device_properties(local).multi_processor_count
     for config in args.configs.split(","):
         per_sm, chunk_k, block_k, *rest = [int(v) for v in config.split("/")]
-        depth, stagger = (rest + [DEPTH, 1][len(rest):])[:2]
+        depth, stagger, hints = (rest + [DEPTH, 1, 0][len(rest):])[:3]
         slots = world * max(1, per_sm * sms // world)
         workspace = 2 * slots * depth * (chunk_k << 10)
         ctx.collectives = CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth,
-                                                 rs_stagger=bool(stagger))
+                                                 rs_stagger=bool(stagger), ring_hints=bool(hints))
         torch.cuda.synchronize()
         dist.barrier()  # every rank's words are zeroed before a peer signals them
         try:

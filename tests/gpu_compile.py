@@ -47,9 +47,9 @@ PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_pt
              "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n_even": I64, "P": "i32",
              **{f"t{p}": I64 for p in range(8)},
              **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "MOVE", "TAG", "CHUNK", "DEPTH", "BLOCK", "VEC",
-                                         "TABLE_ARGS")}}
+                                         "TABLE_ARGS", "STREAM", "KEEP")}}
 PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536,
-         "DEPTH": 2, "BLOCK": 16384, "VEC": 8}
+         "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "", "KEEP": ""}
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),

@@ -53,12 +53,13 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
-def under_other_knobs(seed, programs_per_sm, rs_stagger):
+def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False):
     """Every collective, several calls of fresh sizes, on a CollectiveState made with other tuning knobs, against
     the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
     ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
     apart: that hung while warps of a program could disagree on its epoch, comm/collectives/_exchange.py "The
-    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push (the default), or not."""
+    epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push (the default), or not.
+    ring_hints: the staged pairs' loads and stores with L2 eviction policies (their own compiled variant on GPUs)."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -67,7 +68,8 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger):
     chunk, step = 16 << 10, 8 << 10
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
-    state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger)
+    state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
+                                   ring_hints=ring_hints)
     default, ctx.collectives = ctx.collectives, state
     try:
         assert dev().type != "cuda" or state.programs_per_peer == max(1, programs_per_sm * sms // world)
@@ -101,7 +103,8 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("knobs", [(3, False), (2, True)], ids=["three_programs_per_sm_unstaggered", "staggered"])
+@pytest.mark.parametrize("knobs", [(3, False), (2, True), (2, True, True)],
+                         ids=["three_programs_per_sm_unstaggered", "staggered", "ring_hints"])
 def test_collectives_under_other_knobs(ranks, world, knobs):
     ranks(world).run(under_other_knobs, 41, *knobs)
 

@@ -112,6 +112,10 @@ class CollectiveState:
     depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
     rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_exchange.py; on by default)
     table_arg_ranks: int = TABLE_ARG_RANKS  # uneven calls of up to this many ranks: counts as kernel arguments
+    # all_to_all / all_gather, staged: the ring's lines kept in L2 (evict_last) and the input's and output's streamed
+    # (evict_first), so that a ring slot is rewritten in L2 instead of written back (off by default: not measured
+    # yet; a staged all_gather at world 1 costs two copies whatever the ring's size, BENCHMARKS.md 2026-11-27)
+    ring_hints: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
     # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
@@ -140,8 +144,9 @@ class CollectiveState:
 
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
-               block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger: the tuning knobs (GPU; the
+               block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
+               ring_hints: bool = False) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints: the tuning knobs (GPU; the
         benchmarks sweep them)."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
@@ -174,7 +179,7 @@ class CollectiveState:
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
-                   rs_stagger, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
+                   rs_stagger, ring_hints=ring_hints, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
@@ -238,7 +243,8 @@ class CollectiveState:
             if kernel == "pairs":
                 even, gather, in_place, table_args = key[3:]
                 config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, MOVE=_BITS[elem],
-                              TAG=kx.op_tag(2 if gather else 1, elem))
+                              TAG=kx.op_tag(2 if gather else 1, elem), STREAM="evict_first" if self.ring_hints else "",
+                              KEEP="evict_last" if self.ring_hints else "")
             else:
                 op, average, in_place, acc = key[3:]
                 # a reduce step loads W writers' blocks at once: half a step (8192 bf16 elements spilled on sm_90)
