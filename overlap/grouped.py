@@ -52,7 +52,8 @@ FLAT_MAX_ROWS = 1536
 # "narrow" (one of them below 1024: the DeepSeek-like layer's ~128 rows per expert, the pretraining down
 # projection's dx with N = 768): 128x256 tiles in bands of 4 row tiles, one H200, 2026-11-27 (--sweep-grouped):
 # pretraining down dx 1.141x torch against 0.970 with matmul's narrow 128x128 tiles, DeepSeek-like down dx 1.376
-# against 1.237.
+# against 1.237. The band size is not settled: a later sweep had bands of 8 or 16 ahead by 4-7% on four narrow
+# products, within the spread of the DeepSeek-like products' timings (BENCHMARKS.md, 2026-11-27 from 14:02 UTC).
 # The large bucket's dx in bands of 8 or 4 was tried (two H200 sweeps, 2026-11-27): the pretraining gate_up dx went
 # 0.994 -> 0.914 (8) / 1.021 (4), the Mixtral-like gate_up dx 0.954-0.991 -> 0.987-1.031 (8) / 1.013-1.035 (4), its
 # down dx 1.039 -> 1.031 / 1.005: within the runs' spread, so dx keeps the forward's bands of 16.
