@@ -192,6 +192,7 @@ class Dispatcher:
                     t.record_stream(stream)
 
     def _check(self, x, topk_idx, topk_weights) -> None:
+        # (fused_moe runs it on a FusedMoEWorkspace: it reads hidden, dtype, device, _on_cuda, max_tokens, topk)
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"dispatch: x must be [num_tokens, hidden={self.hidden}], got {getattr(x, 'shape', type(x))}")
         if x.dtype != self.dtype:

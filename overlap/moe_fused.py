@@ -121,6 +121,7 @@ class FusedMoEWorkspace:
         self._agree(ctx, tuple(args.values()) + (str(dtype),))
         W, dev = ctx.world_size, ctx.device
         self.rank, self.world_size, self.device, self.dtype = ctx.rank, W, dev, dtype
+        self._on_cuda = dev.type == "cuda"  # (read by Dispatcher._check, which fused_moe runs on this workspace)
         self.num_experts, self.hidden, self.ffn_hidden, self.max_tokens, self.topk = num_experts, hidden, ffn_hidden, \
             max_tokens_per_rank, topk
         self.num_local_experts = num_experts // W
