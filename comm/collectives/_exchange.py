@@ -318,41 +318,45 @@ def _pick(vec, ps, p):
 
 @jit
 def _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, s, length, MASKED: tl.constexpr, OP: tl.constexpr,
-                 ACC: tl.constexpr, AVG: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                 ACC: tl.constexpr, AVG: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, STREAM: tl.constexpr,
+                 KEEP: tl.constexpr):
     """out[c + s : c + s + BLOCK] = op over writers p (rank order) of heap[src_offs[p] + s + ...]; src_offs
     holds each writer's chunk address as an element offset from this rank's heap (peer distance included).
     length is a multiple of VEC (16-byte vectors need n * element size % 16 == 0): the mask has VEC-element
-    granules, so masked spans still move 16-byte vectors."""
+    granules, so masked spans still move 16-byte vectors. KEEP / STREAM: the L2 policies of the writers' chunks
+    and of the output (CollectiveState.ring_hints; "" for none)."""
     offs = s + tl.arange(0, BLOCK)
     mask = offs < length // VEC * VEC
     acc = tl.zeros((BLOCK,), ACC)
     for p in range(0, W):
         src = heap_ptr + _pick(src_offs, ps, p) // VEC * VEC
         if MASKED:
-            x = tl.load(src + offs, mask=mask, cache_modifier=".cg").to(ACC)
+            x = _load(src + offs, mask, KEEP).to(ACC)
         else:
-            x = tl.load(src + offs, cache_modifier=".cg").to(ACC)
+            x = _load(src + offs, None, KEEP).to(ACC)
         acc = tl.where(p == 0, x, _combine(acc, x, OP))
     if AVG:
         acc = acc / W
     dst = out_ptr + c // VEC * VEC
     if MASKED:
-        tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask, eviction_policy=STREAM)
     else:
-        tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty))
+        tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), eviction_policy=STREAM)
 
 
 @jit
-def _push_chunk(heap_ptr, in_ptr, dst, ring_at, n, c, chunk, BLOCK: tl.constexpr, VEC: tl.constexpr):
+def _push_chunk(heap_ptr, in_ptr, dst, ring_at, n, c, chunk, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                STREAM: tl.constexpr, KEEP: tl.constexpr):
     """reduce_scatter: elements c .. c + chunk of my input's block for dst (in[dst * n + c ...]) into dst's
     ring at element offset ring_at (stores over NVLink)."""
     _copy(heap_ptr, _peer_delta(heap_ptr, dst) + ring_at, in_ptr, dst.to(tl.int64) * n + c, tl.minimum(chunk, n - c),
-          BLOCK, VEC, "", "")
+          BLOCK, VEC, STREAM, KEEP)
 
 
 @jit
 def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64, ring_off, base,
-               CHUNK: tl.constexpr, DEPTH: tl.constexpr, PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr):
+               CHUNK: tl.constexpr, DEPTH: tl.constexpr, PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr,
+               STREAM: tl.constexpr, KEEP: tl.constexpr):
     """reduce_scatter, staged writer: my chunk i of column q into every reader's ring slot i % DEPTH, each once
     that reader is done with what the slot held, then its ready signal."""
     c = (q + i * P).to(tl.int64) * chunk
@@ -362,14 +366,15 @@ def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64
         if i >= DEPTH:  # the reader must be done with what this ring slot held
             tcl.wait(done_ptr + slot, base + i + 1 - DEPTH, tcl.CMP_GE)
         _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK + (i % DEPTH) * CHUNK, n64, c, chunk,
-                    PUSH_BLOCK, VEC)
+                    PUSH_BLOCK, VEC, STREAM, KEEP)
         tcl.signal(ready_ptr + slot, base + i + 1, dst, tcl.SIGNAL_SET)
 
 
 @jit
 def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i, n_chunks, chunk,
                  n64, base, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, CHUNK: tl.constexpr,
-                 DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                 DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, STREAM: tl.constexpr,
+                 KEEP: tl.constexpr):
     """reduce_scatter, reader: output chunk i of column q = op over the writers' chunk i (staged writers' from my
     ring once they signal it, in-place writers' from their tensors), then tell the staged writers it is done."""
     c = (q + i * P).to(tl.int64) * chunk
@@ -381,9 +386,10 @@ def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs
     full = length // BLOCK * BLOCK
     for s in range(0, full, BLOCK):  # whole blocks unmasked (16-byte vectors), then the tail
         _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, tl.multiple_of(s, BLOCK), length, False,
-                     OP, ACC, AVG, BLOCK, VEC)
+                     OP, ACC, AVG, BLOCK, VEC, STREAM, KEEP)
     if full < length:
-        _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, full, length, True, OP, ACC, AVG, BLOCK, VEC)
+        _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, full, length, True, OP, ACC, AVG, BLOCK, VEC, STREAM,
+                     KEEP)
     if i < n_chunks - 1:  # the last chunk's "done" is the final signal below
         for p in range(0, W):
             if _pick(in_place, ps, p) == 0:
@@ -394,7 +400,7 @@ def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs
 def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                    PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr,
-                   STAGGER: tl.constexpr):
+                   STAGGER: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the slots k * P + q of every k (P here is the column count the
     host passes, C = W * programs_per_peer; words_ptr is its own word set, ring_off its own ring). As a
@@ -421,7 +427,8 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
             tcl.wait(done_ptr + slot, base - 1, tcl.CMP_GE)
         if not IN_PLACE:
             if n_chunks > 0:
-                _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK, n64, c0, chunk, PUSH_BLOCK, VEC)
+                _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK, n64, c0, chunk, PUSH_BLOCK, VEC,
+                            STREAM, KEEP)
         _publish(tcl.symm_at(meta_ptr, dst), ready_ptr, slot, dst, in_heap_off + dst.to(tl.int64) * n64, n64,
                  IN_PLACE, TAG, base + (n_chunks > 0).to(tl.int64) * (1 - IN_PLACE))
     for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
@@ -441,11 +448,11 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
         for step in range(0, 2):  # step 0: reduce if this column reduces first, else push; step 1: the other
             if (step == 0) == reduce_first:
                 _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i,
-                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC)
+                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC, STREAM, KEEP)
             elif not IN_PLACE:
                 if i + 1 < n_chunks:  # chunk 0 went with the header
                     _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64, ring_off,
-                               base, CHUNK, DEPTH, PUSH_BLOCK, VEC)
+                               base, CHUNK, DEPTH, PUSH_BLOCK, VEC, STREAM, KEEP)
     # finish: every writer may reuse its ring region on me and its words; my input, where readers load it
     # in place, is free once they say they are done (a staged writer exits: its next call waits instead)
     for p in range(0, W):

@@ -112,9 +112,10 @@ class CollectiveState:
     depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
     rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_exchange.py; on by default)
     table_arg_ranks: int = TABLE_ARG_RANKS  # uneven calls of up to this many ranks: counts as kernel arguments
-    # all_to_all / all_gather, staged: the ring's lines kept in L2 (evict_last) and the input's and output's streamed
-    # (evict_first), so that a ring slot is rewritten in L2 instead of written back (off by default: not measured
-    # yet; a staged all_gather at world 1 costs two copies whatever the ring's size, BENCHMARKS.md 2026-11-27)
+    # the staged collectives: the ring's lines kept in L2 (evict_last: pushes into it and, in reduce_scatter, every
+    # writer's chunk read) and the input's and output's streamed (evict_first), so that a ring slot is rewritten in
+    # L2 instead of written back (off by default: not measured yet; a staged all_gather at world 1 costs two copies
+    # whatever the ring's size, BENCHMARKS.md 2026-11-27)
     ring_hints: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
@@ -250,6 +251,8 @@ class CollectiveState:
                 # a reduce step loads W writers' blocks at once: half a step (8192 bf16 elements spilled on sm_90)
                 config.update(OP=op, ACC=acc, AVG=average, IN_PLACE=in_place, MAX_W=self._max_w,
                               TAG=kx.op_tag(3, elem), PUSH_BLOCK=block, STAGGER=self.rs_stagger,
+                              STREAM="evict_first" if self.ring_hints else "",
+                              KEEP="evict_last" if self.ring_hints else "",
                               BLOCK=max(block // 2, 1) if self.ctx.backend == "cuda" else block)
             self._configs[key] = config
         return config
