@@ -9,14 +9,16 @@ Two things run at once, on two streams, or on one under PDL (on CPU ranks: one a
   member's symmetric gather buffer and SETs that member's flag of each chunk to the call's epoch; members
   that need the shard earliest get it first. Two ways (`AgGemmWorkspace.push`):
   - "copy" (where every member is directly reachable: NVLink peers, CPU ranks): the copy engine moves the
-    shard (`tensor.copy_` into the peer's heap view) and each chunk's flag is a stream write
-    (tilecomm.stream_ops): no SM is taken from the GEMM, and nothing queued behind it needs one. The member
-    that reads the shard first (right after its own) gets it in up to 4 chunks, each flagged as it lands;
-    the others get it in one copy, then every chunk's flag: their GEMMs reach it only after one or more
-    whole shards of math, and each copy and flag is a host call (with 4 chunks for every member, the 12
-    copy-and-flag pairs of a call at W = 4 were issued 27-84 µs apart on 4 H200s, longer in all than the
-    small bar shape's GEMM). On GPUs the GEMM is launched before the copies are issued, so it computes its
-    own shard meanwhile (where the gather buffer's rows are unpadded, so every copy is a memcpy, not a kernel);
+    shard into the peer's heap and each flag is a stream write (tilecomm.stream_ops): no SM is taken from the
+    GEMM, and nothing queued behind it needs one. The member that reads the shard first (right after its own)
+    gets it in up to 4 chunks, each flagged as it lands; the others get it in one copy and one flag (their
+    GEMMs read flag 0 for the whole shard): their GEMMs reach it only after one or more whole shards of math.
+    Each copy and flag is a host call, so they go straight to the driver by address (a StreamIssuer made
+    with the workspace; no tensor slicing, no torch op per copy): under torch's copy_ and one stream write
+    per chunk flag, a small ag_gemm's copies at W = 4 started 60-130 µs apart on 4 H200s and the GEMM waited
+    for the last one (BENCHMARKS.md, 2026-11-27 from 16:11 UTC). On GPUs the GEMM is launched before the
+    copies are issued, so it computes its own shard meanwhile (where the gather buffer's rows are unpadded,
+    so every copy is one memcpy, not a kernel; padded rows go through torch's strided copy_);
   - "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
     programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs must hold SMs before the
     persistent GEMM takes them all (the GEMM waits for their flags). On sm_90+ GPUs the push goes on the
@@ -82,6 +84,11 @@ class AgGemmWorkspace(OpWorkspace):
         self.peer_gather = {i: tilecomm.peer(self.gather, team.ranks[i]) for i in others}
         self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in others}
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
+        # the push's copies and flags by address (_push_by_copy), and the two events that order the streams
+        self.issuer = stream_ops.StreamIssuer(self.gather.device, self.stream) if push == "copy" else None
+        self.peer_gather_addr = {i: t.data_ptr() for i, t in self.peer_gather.items()}
+        self.peer_flags_addr = {i: t.data_ptr() for i, t in self.peer_flags.items()}
+        self.queued, self.pushed = (torch.cuda.Event(), torch.cuda.Event()) if self.stream is not None else (None, None)
         # push="kernel" on sm_90+: the push on the caller's stream, the GEMM its programmatic dependent
         self.pdl = push == "kernel" and pdl_available(self.gather.device)
 
@@ -137,8 +144,8 @@ def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_am, stride_gm, slot_stride,
-                 flag_stride, tiles_per_flag, stride_b, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+                 flag_stride, tiles_per_flag, later_tiles_per_flag, stride_b, stride_cm, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr,
                  PDL: tl.constexpr):
     # one group: any aligned group stride will do
@@ -155,7 +162,9 @@ def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me,
             a_src = a_ptr
             stride = stride_am
         else:
-            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m // tiles_per_flag, epoch, tcl.CMP_GE)
+            # the shard read at step 1 is flagged per chunk; later ones per later_tiles_per_flag row tiles
+            per_flag = tl.where(step == 1, tiles_per_flag, later_tiles_per_flag)
+            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m // per_flag, epoch, tcl.CMP_GE)
             g = proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the peer's stores
             a_src = gather_ptr + g.to(tl.int64) * slot_stride
             stride = stride_gm
@@ -226,23 +235,32 @@ def _copy_chunk_rows(m: int, K: int, elem: int, block_m: int) -> int:
 
 
 def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, chunk_rows: int) -> None:
-    """Copy engine: the shard into each other member's gather slot, each chunk's flag written in stream order
-    behind its rows; members in the order they read it. The one at step 1 gets it chunk by chunk, the others
-    in one copy followed by all the chunks' flags (module docstring)."""
+    """Copy engine, on the workspace's stream: the shard into each other member's gather slot, each flag
+    written in stream order behind its rows; members in the order they read it. The one at step 1 gets it
+    chunk by chunk (flag i after chunk i), the others in one copy followed by flag 0 (module docstring).
+    Unpadded rows (gather row = K columns) go by address through ws.issuer: one memcpy per copy; padded rows
+    through torch's strided copy_ into the peer's heap view."""
     (m, K), W, me = a_shard.shape, team.size, team.index
     flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
-    chunks = cdiv(m, chunk_rows)
+    row = K * a_shard.element_size()  # bytes of a row in a_shard (contiguous) and, unpadded, in a slot
+    by_address = ws.gather.shape[-1] == K
+    slot_bytes = ws.max_rows * row  # (unpadded) one member's slot of the gather buffer [2, W, max_rows, K]
     for step in range(1, W):
         dest = (me - step) % W  # reads this shard at its step `step`
-        slot, flags = ws.peer_gather[dest][epoch % 2, me], ws.peer_flags[dest]
-        if step > 1:
-            slot[:m, :K].copy_(a_shard, non_blocking=True)
-            stream_ops.write_words(flags[me * flag_stride: me * flag_stride + chunks], epoch, ws.stream)
+        spans = [(r0, min(m, r0 + chunk_rows)) for r0 in range(0, m, chunk_rows)] if step == 1 else [(0, m)]
+        if by_address:
+            slot = ws.peer_gather_addr[dest] + ((epoch % 2) * W + me) * slot_bytes
+            flag = ws.peer_flags_addr[dest] + me * flag_stride * 8
+            src = a_shard.data_ptr()
+            for i, (r0, r1) in enumerate(spans):
+                ws.issuer.copy(slot + r0 * row, src + r0 * row, (r1 - r0) * row)
+                ws.issuer.write(flag + 8 * i, epoch)
             continue
-        for chunk, r0 in enumerate(range(0, m, chunk_rows)):
-            r1 = min(m, r0 + chunk_rows)
-            slot[r0:r1, :K].copy_(a_shard[r0:r1], non_blocking=True)
-            stream_ops.write_word(flags[me * flag_stride + chunk], epoch, ws.stream)
+        slot, flags = ws.peer_gather[dest][epoch % 2, me], ws.peer_flags[dest]
+        with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
+            for i, (r0, r1) in enumerate(spans):
+                slot[r0:r1, :K].copy_(a_shard[r0:r1], non_blocking=True)
+                stream_ops.write_word(flags[me * flag_stride + i], epoch, ws.stream)
 
 
 def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
@@ -254,6 +272,8 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     C_TMA = c.stride(0) * c.element_size() % 16 == 0
     cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
     chunk_rows = _copy_chunk_rows(m, K, a.element_size(), cfg.BLOCK_M) if ws.push == "copy" else cfg.BLOCK_M
+    # flags of the shards read after step 1: the copy push writes flag 0 for a whole shard, the kernel one per tile
+    later_tiles_per_flag = cdiv(m, cfg.BLOCK_M) if ws.push == "copy" else 1
 
     pdl = W > 1 and ws.pdl
     pdl_launch = {"launch_pdl": True} if pdl else {}
@@ -261,8 +281,8 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     def gemm():
         launch_gemm(_GEMM, W * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
                     epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
-                    chunk_rows // cfg.BLOCK_M, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=C_TMA,
-                    PRECISION=dot_precision(a.dtype), PDL=pdl, **pdl_launch)
+                    chunk_rows // cfg.BLOCK_M, later_tiles_per_flag, bt.stride(0), c.stride(0), B_TRANS=b_trans,
+                    C_TMA=C_TMA, PRECISION=dot_precision(a.dtype), PDL=pdl, **pdl_launch)
 
     def push_kernel():
         _PUSH.launch((W - 1, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M, pdl), a_shard, g,
@@ -278,19 +298,21 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     if pdl:  # the push, then the GEMM as its dependent, both on this stream (module docstring)
         push_kernel()
     elif W > 1:
-        if ws.stream is not None:
-            ws.stream.wait_stream(torch.cuda.current_stream(a.device))  # (recorded before the GEMM is queued)
+        if ws.stream is not None:  # the push after what the caller queued before this call (not the GEMM)
+            ws.queued.record(torch.cuda.current_stream(a.device))
+            ws.stream.wait_event(ws.queued)
         if gemm_first:
             gemm()
-        with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
-            if ws.push == "copy":
-                _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
-            else:
+        if ws.push == "copy":
+            _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
+        else:
+            with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
                 push_kernel()
     if not gemm_first:
         gemm()
     if W > 1 and ws.stream is not None and not pdl:
-        torch.cuda.current_stream(a.device).wait_stream(ws.stream)
+        ws.pushed.record(ws.stream)
+        torch.cuda.current_stream(a.device).wait_event(ws.pushed)
         a_shard.record_stream(ws.stream)
 
 

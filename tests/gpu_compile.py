@@ -76,7 +76,7 @@ CASES = [
      {"BLOCK_M": 128, "PDL": True}),
     (og._gemm_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": I64P,
                        "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32", "stride_am": "i32",
-                       "stride_gm": "i32", "slot_stride": I64, "flag_stride": "i32", "tiles_per_flag": "i32",
+                       "stride_gm": "i32", "slot_stride": I64, "flag_stride": "i32", "tiles_per_flag": "i32", "later_tiles_per_flag": "i32",
                        "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG, "PDL": "constexpr"}, dict(GEMM, PDL=True)),
     (rs._gemm_rs_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16",
                           "flags_ptr": I64P, "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32",

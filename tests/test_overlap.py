@@ -1,6 +1,8 @@
 """ag_gemm, gemm_rs and the TP layers against float64 references, on 2, 3 and 4 CPU ranks."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +27,9 @@ def _rand(shape, seed, dtype):
 
 
 def ag_gemm_body(m, K, n, dtype, calls, push="auto", chunk_bytes=None):
-    import tilecomm.overlap.ag_gemm as module
+    # the module itself: `import tilecomm.overlap.ag_gemm as module` gives the function of that name, which
+    # tilecomm.overlap's __init__ binds over the submodule (setting the chunk size on it changed nothing)
+    module = importlib.import_module("tilecomm.overlap.ag_gemm")
 
     rank = tilecomm.rank()
     if chunk_bytes:  # push="copy" in several chunks (each its own flag) even at these small sizes

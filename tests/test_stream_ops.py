@@ -35,3 +35,17 @@ def test_write_words_on_cpu_stores_every_word_of_the_range():
 def test_write_words_rejects_other_ranges(words, what):
     with pytest.raises(ValueError, match=f"contiguous 1-D int64 tensor, got .*{what}"):
         stream_ops.write_words(words, 1)
+
+
+def test_stream_issuer_on_cpu_copies_and_writes_by_address():
+    """The by-address calls ag_gemm's copy push makes (CUDA: cuMemcpyDtoDAsync, cuStreamWriteValue64)."""
+    src = torch.arange(10, dtype=torch.float32)
+    dst = torch.full((12,), -1.0)
+    words = torch.full((4,), -1, dtype=torch.int64)
+    issuer = stream_ops.StreamIssuer(torch.device("cpu"))
+    issuer.copy(dst.data_ptr() + 2 * 4, src.data_ptr() + 3 * 4, 5 * 4)  # src[3:8] -> dst[2:7]
+    issuer.write(words.data_ptr() + 2 * 8, 2**40 + 3)
+    assert dst.tolist() == [-1, -1, 3, 4, 5, 6, 7, -1, -1, -1, -1, -1]
+    assert words.tolist() == [-1, -1, 2**40 + 3, -1]
+    issuer.copy(dst.data_ptr(), src.data_ptr(), 0)  # an empty copy moves nothing
+    assert dst[0].item() == -1
