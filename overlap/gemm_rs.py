@@ -6,8 +6,15 @@
 One persistent kernel (the TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting
 with member me+1 and ending with its own:
 
-* a peer's tile is stored straight into slot me of the owner's symmetric receive buffer, then the
-  owner's flag[me, tile] is SET to the call's epoch: the tile crosses the link while later tiles compute;
+* a peer's tile is stored straight into slot me of the owner's symmetric receive buffer, and the
+  owner's flag[me, tile] is SET to the call's epoch after the program's *next* main loop (or before it
+  waits on peers, or at its end): the SET's release must wait until the tile's stores have landed, and
+  right after the stores that wait is the whole tile crossing the link (every program stores its tile at
+  the same moment: ~8 MB at once per rank), where after a main loop they have long landed. With the SET
+  right after the stores, the fused call took as long as the GEMM and NCCL's reduce_scatter in sequence
+  on the small shape at W = 4 (499 µs against 342 + 202, BENCHMARKS.md 2026-11-27 from 16:11 UTC). A
+  deferred SET is never held across a wait on this call's flags: a program SETs it before an own tile's
+  waits (two programs each holding the flag the other waits for would deadlock);
 * an own tile is reduced in its epilogue: for every other member it waits for flag[src, tile], adds
   that partial tile (fp32) and stores the sum into `out` (TMA). No separate reduce pass.
 
@@ -109,6 +116,8 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
     tiles_m = tl.cdiv(mb, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_owner = tiles_m * tiles_n
+    pending = tl.full((), -1, tl.int32)  # the peer tile whose flag is not SET yet (module docstring), or -1
+    pending_pe = tl.full((), 0, tl.int32)  # ... and its owner's PE
     for tile in range(tile_begin + tl.program_id(0), tile_end, tl.num_programs(0)):
         owner = (me + 1 + tile // per_owner) % W  # team index; its PE is pes[owner]
         t = tile % per_owner
@@ -122,6 +131,9 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
         # Waits come before the main loop: a spin loop with the fp32 accumulator live spilled it.
         ready = me
         if owner == me:  # every peer's partial tile is in (an own tile is the last step: they are due)
+            if pending >= 0:  # first this program's own deferred flag: a peer may be waiting for it
+                tcl.signal(flags_ptr + me * flag_stride + pending, epoch, pending_pe, tcl.SIGNAL_SET)
+                pending = tl.full((), -1, tl.int32)
             parts = recv_ptr
             for s in range(1, W):
                 tok = tcl.wait(flags_ptr + ((me + s) % W) * flag_stride + t, epoch, tcl.CMP_GE)
@@ -150,10 +162,15 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
                 out_tile = out_ptr + tl.cast(off_m, tl.int64) * stride_om + off_n
                 _put_part(c0, out_tile, rows_left, cols_left, stride_om, BLOCK_M, HALF)
                 _put_part(c1, out_tile + HALF, rows_left, cols_left - HALF, stride_om, BLOCK_M, HALF)
-        else:  # into slot me of the owner's receive buffer, then its flag
+        else:  # the last peer tile's flag (its stores landed during this main loop), then this tile into slot me
+            if pending >= 0:  # of the owner's receive buffer; its flag waits for the next main loop
+                tcl.signal(flags_ptr + me * flag_stride + pending, epoch, pending_pe, tcl.SIGNAL_SET)
             _put_part(c0, parts + base, rows_left, cols_left, N, BLOCK_M, HALF)
             _put_part(c1, parts + base + HALF, rows_left, cols_left - HALF, N, BLOCK_M, HALF)
-            tcl.signal(flags_ptr + me * flag_stride + t, epoch, owner_pe, tcl.SIGNAL_SET)
+            pending = t
+            pending_pe = owner_pe
+    if pending >= 0:
+        tcl.signal(flags_ptr + me * flag_stride + pending, epoch, pending_pe, tcl.SIGNAL_SET)
 
 
 _GEMM_RS = CachedLaunch(_gemm_rs_kernel)  # compiled kernels by config and dtype (module-level, like Triton's cache)
