@@ -146,11 +146,17 @@ def _publish(meta_ptr, ready_ptr, slot, dst, offset, count, IN_PLACE: tl.constex
     locally): where my data for dst lies (heap element offset), how much, whether dst reads it in place
     (else through a ring) and which collective this is; then SET dst's ready word to `ready` (the
     call's base, or base + 1 when ring slot 0 already holds chunk 0: one signal for both)."""
+    _store_header(meta_ptr, slot, offset, count, IN_PLACE, TAG)
+    tcl.signal(ready_ptr + slot, ready, dst, tcl.SIGNAL_SET)
+
+
+@jit
+def _store_header(meta_ptr, slot, offset, count, IN_PLACE: tl.constexpr, TAG: tl.constexpr):
+    """The four header words of `_publish`, without its signal."""
     tl.store(meta_ptr + 4 * slot, offset)
     tl.store(meta_ptr + 4 * slot + 1, count)
     tl.store(meta_ptr + 4 * slot + 2, tl.full((), IN_PLACE, tl.int64))
     tl.store(meta_ptr + 4 * slot + 3, tl.full((), TAG, tl.int64))
-    tcl.signal(ready_ptr + slot, ready, dst, tcl.SIGNAL_SET)
 
 
 @jit
@@ -358,7 +364,7 @@ def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64
                CHUNK: tl.constexpr, DEPTH: tl.constexpr, PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr,
                STREAM: tl.constexpr, KEEP: tl.constexpr):
     """reduce_scatter, staged writer: my chunk i of column q into every reader's ring slot i % DEPTH, each once
-    that reader is done with what the slot held, then its ready signal."""
+    that reader is done with what the slot held; then the W ready signals (kernel docstring: one drain)."""
     c = (q + i * P).to(tl.int64) * chunk
     for k in range(0, W):
         dst = (me + k) % W
@@ -367,7 +373,8 @@ def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64
             tcl.wait(done_ptr + slot, base + i + 1 - DEPTH, tcl.CMP_GE)
         _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK + (i % DEPTH) * CHUNK, n64, c, chunk,
                     PUSH_BLOCK, VEC, STREAM, KEEP)
-        tcl.signal(ready_ptr + slot, base + i + 1, dst, tcl.SIGNAL_SET)
+    for k in range(0, W):
+        tcl.signal(ready_ptr + k * P + q, base + i + 1, (me + k) % W, tcl.SIGNAL_SET)
 
 
 @jit
@@ -406,7 +413,14 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     host passes, C = W * programs_per_peer; words_ptr is its own word set, ring_off its own ring). As a
     writer, slot k * P + q is mine towards the reader me + k: its header and, staged, my chunks pushed into
     that reader's ring. As a reader, slot k * P + q holds the writer me - k's. BLOCK: elements per reduce step
-    (W writers' blocks loaded at once), PUSH_BLOCK: per push step."""
+    (W writers' blocks loaded at once), PUSH_BLOCK: per push step.
+
+    A writer pushes its chunk to every reader before it signals any of them: a signal's release waits until the
+    program's stores so far have landed, so signalling each reader right after its chunk made the W pushes of a
+    step one after another, each waiting out its own transfer; pushed first, the chunks to different readers
+    cross the links together and the first signal waits once for all of them (the later signals find nothing
+    left to wait for). The waits between them are on the readers' earlier "done" words, which never depend on
+    this step's signals."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
     q = take_ticket(ticket_ptr, tl.num_programs(0)).to(tl.int32)
     me = tcl.rank()
@@ -429,8 +443,10 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
             if n_chunks > 0:
                 _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK, n64, c0, chunk, PUSH_BLOCK, VEC,
                             STREAM, KEEP)
-        _publish(tcl.symm_at(meta_ptr, dst), ready_ptr, slot, dst, in_heap_off + dst.to(tl.int64) * n64, n64,
-                 IN_PLACE, TAG, base + (n_chunks > 0).to(tl.int64) * (1 - IN_PLACE))
+        _store_header(tcl.symm_at(meta_ptr, dst), slot, in_heap_off + dst.to(tl.int64) * n64, n64, IN_PLACE, TAG)
+    for k in range(0, W):  # then the ready signals (one drain for every reader's chunk 0 and header)
+        tcl.signal(ready_ptr + k * P + q, base + (n_chunks > 0).to(tl.int64) * (1 - IN_PLACE), (me + k) % W,
+                   tcl.SIGNAL_SET)
     for k in range(0, W):  # every writer's header (the counts must agree: n everywhere)
         _read_header(meta_ptr, ready_ptr, err_ptr, k * P + q, (me + W - k) % W, n64, base, TAG, True)
     # the headers, read once: is each writer's data in place (on its heap), or pushed into my ring
