@@ -69,14 +69,9 @@ def _write(words: torch.Tensor, value: int, stream: Optional[torch.cuda.Stream])
     if words.device.type != "cuda":
         words.fill_(value)
         return
-    from cuda.bindings import driver
-
-    stream = driver.CUstream((stream or torch.cuda.current_stream(words.device)).cuda_stream)
-    flags, base = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT, words.data_ptr()
+    issuer, base = StreamIssuer(words.device, stream), words.data_ptr()
     for i in range(words.numel()):
-        err, = driver.cuStreamWriteValue64(stream, driver.CUdeviceptr(base + 8 * i), int(value), flags)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"stream_ops: cuStreamWriteValue64 failed: {err}")
+        issuer.write(base + 8 * i, value)
 
 
 class StreamIssuer:

@@ -245,13 +245,13 @@ def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, 
     row = K * a_shard.element_size()  # bytes of a row in a_shard (contiguous) and, unpadded, in a slot
     by_address = ws.gather.shape[-1] == K
     slot_bytes = ws.max_rows * row  # (unpadded) one member's slot of the gather buffer [2, W, max_rows, K]
+    src = a_shard.data_ptr()
     for step in range(1, W):
         dest = (me - step) % W  # reads this shard at its step `step`
         spans = [(r0, min(m, r0 + chunk_rows)) for r0 in range(0, m, chunk_rows)] if step == 1 else [(0, m)]
         if by_address:
             slot = ws.peer_gather_addr[dest] + ((epoch % 2) * W + me) * slot_bytes
             flag = ws.peer_flags_addr[dest] + me * flag_stride * 8
-            src = a_shard.data_ptr()
             for i, (r0, r1) in enumerate(spans):
                 ws.issuer.copy(slot + r0 * row, src + r0 * row, (r1 - r0) * row)
                 ws.issuer.write(flag + 8 * i, epoch)

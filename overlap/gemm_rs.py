@@ -97,6 +97,12 @@ def _put_part(c, slot_ptr, rows_left, cols_left, stride, BLOCK_M: tl.constexpr, 
              mask=(r[:, None] < rows_left) & (k[None, :] < cols_left - HALF))
 
 
+@tilecomm.jit
+def _set_flag(flags_ptr, me, flag_stride, t, epoch, owner_pe):
+    """SET the owner's flag[me, t] to the call's epoch: my partial tile t is in its receive buffer."""
+    tcl.signal(flags_ptr + me * flag_stride + t, epoch, owner_pe, tcl.SIGNAL_SET)
+
+
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, mb, N, K, me, W,
                     tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride,
@@ -132,7 +138,7 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
         ready = me
         if owner == me:  # every peer's partial tile is in (an own tile is the last step: they are due)
             if pending >= 0:  # first this program's own deferred flag: a peer may be waiting for it
-                tcl.signal(flags_ptr + me * flag_stride + pending, epoch, pending_pe, tcl.SIGNAL_SET)
+                _set_flag(flags_ptr, me, flag_stride, pending, epoch, pending_pe)
                 pending = tl.full((), -1, tl.int32)
             parts = recv_ptr
             for s in range(1, W):
@@ -164,13 +170,13 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
                 _put_part(c1, out_tile + HALF, rows_left, cols_left - HALF, stride_om, BLOCK_M, HALF)
         else:  # the last peer tile's flag (its stores landed during this main loop), then this tile into slot me
             if pending >= 0:  # of the owner's receive buffer; its flag waits for the next main loop
-                tcl.signal(flags_ptr + me * flag_stride + pending, epoch, pending_pe, tcl.SIGNAL_SET)
+                _set_flag(flags_ptr, me, flag_stride, pending, epoch, pending_pe)
             _put_part(c0, parts + base, rows_left, cols_left, N, BLOCK_M, HALF)
             _put_part(c1, parts + base + HALF, rows_left, cols_left - HALF, N, BLOCK_M, HALF)
             pending = t
             pending_pe = owner_pe
     if pending >= 0:
-        tcl.signal(flags_ptr + me * flag_stride + pending, epoch, pending_pe, tcl.SIGNAL_SET)
+        _set_flag(flags_ptr, me, flag_stride, pending, epoch, pending_pe)
 
 
 _GEMM_RS = CachedLaunch(_gemm_rs_kernel)  # compiled kernels by config and dtype (module-level, like Triton's cache)
