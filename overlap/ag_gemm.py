@@ -16,9 +16,9 @@ Two things run at once, on two streams, or on one under PDL (on CPU ranks: one a
     Each copy and flag is a host call, so they go straight to the driver by address (a StreamIssuer made
     with the workspace; no tensor slicing, no torch op per copy): under torch's copy_ and one stream write
     per chunk flag, a small ag_gemm's copies at W = 4 started 60-130 µs apart on 4 H200s and the GEMM waited
-    for the last one (BENCHMARKS.md, 2026-11-27 from 16:11 UTC). On GPUs the GEMM is launched before the
-    copies are issued, so it computes its own shard meanwhile (where the gather buffer's rows are unpadded,
-    so every copy is one memcpy, not a kernel; padded rows go through torch's strided copy_);
+    for the last one (BENCHMARKS.md, 2026-11-27 from 16:11 UTC). The copies are queued before the GEMM
+    is launched: they are the longer path at small shapes (where the gather buffer's rows are unpadded, every
+    copy is one memcpy, not a kernel; padded rows go through torch's strided copy_);
   - "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
     programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs must hold SMs before the
     persistent GEMM takes them all (the GEMM waits for their flags). On sm_90+ GPUs the push goes on the
@@ -50,15 +50,14 @@ import tilecomm
 import tilecomm.language as tcl
 from tilecomm.jit import CachedLaunch, cdiv, pdl_available
 
-from tilecomm import _env, stream_ops
+from tilecomm import stream_ops
 
-from .team import OpWorkspace, team_of
+from .team import OpWorkspace, push_mode, team_of
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
 _PUSH_PROGRAMS = 8  # push="kernel": programs per peer
-PUSH_MODES = ("auto", "copy", "kernel")
 _COPY_CHUNKS = 4  # push="copy": at most this many copies (and flags) per peer ...
 _COPY_CHUNK_BYTES = 4 << 20  # ... of at least this many bytes each
 
@@ -74,9 +73,7 @@ class AgGemmWorkspace(OpWorkspace):
         for name, v in (("K", K), ("max_rows", max_rows)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"AgGemmWorkspace: {name} must be a positive int, got {v!r}")
-        if push not in PUSH_MODES:
-            raise ValueError(f"AgGemmWorkspace: push={push!r}; expected one of {PUSH_MODES}")
-        push = _push_mode(push, team, tilecomm.current().device)  # (before any allocation: a bad push raises)
+        push = push_mode(push, team, "AgGemmWorkspace")  # (before any allocation: a bad push raises)
         self.K, self.dtype, self.max_rows, self.push = K, dtype, max_rows, push
         super().__init__(team, "tilecomm.overlap.ag_gemm", self.specs(K, dtype, max_rows, team.size))
         # push="copy": every other member's gather buffer and flags, as local views of its heap
@@ -102,28 +99,6 @@ class AgGemmWorkspace(OpWorkspace):
     def heap_bytes(cls, K: int, dtype: torch.dtype, max_rows: int, W: int) -> int:
         """Symmetric heap bytes of AgGemmWorkspace(K, dtype, max_rows) over a group of W ranks, on each rank."""
         return cls.heap_bytes_of(cls.specs(K, dtype, max_rows, W))
-
-
-def _push_mode(push: str, team, device: torch.device) -> str:
-    """The push a workspace uses, the same on every rank (a GEMM reads its flags by the pushing member's chunk
-    size): `push`, or for "auto" the copy engine where every rank can have it (collective over the world, as
-    the workspace is; ValueError on every rank where "copy" is asked for and some rank cannot have it)."""
-    if push == "kernel":
-        return push
-    ctx = tilecomm.current()
-    if _env.transport() == "nvshmem" and device.type == "cuda":
-        why = "TILECOMM_TRANSPORT=nvshmem (pushes go through NVSHMEM calls)"
-    elif any(ctx.heap.peers[pe] is None for pe in team.ranks):
-        why = "a member of the team is not directly reachable (no load/store mapping of its heap)"
-    else:
-        why = stream_ops.available(device)
-    reasons = ctx.boot.all_gather_object(why) if ctx.world_size > 1 else [why]
-    failing = [(r, w) for r, w in enumerate(reasons) if w is not None]
-    if not failing:
-        return "copy"
-    if push == "copy":
-        raise ValueError(f"AgGemmWorkspace: push='copy' is not available on rank {failing[0][0]}: {failing[0][1]}")
-    return "kernel"
 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
@@ -289,27 +264,23 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
                      ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
                      BLOCK_M=cfg.BLOCK_M, PDL=pdl)
 
-    # GEMM first where the push needs no SM and runs beside it (copy engine on a GPU, rows that are plain
-    # memcpys: torch copies strided rows with a kernel): the host then issues the copies while the GEMM
-    # computes its own shard. A push kernel must start first (the persistent GEMM would hold every SM, on
-    # every member: none could push), and CPU ranks run launches one after another (the GEMM would wait for
-    # itself).
-    gemm_first = W > 1 and ws.push == "copy" and ws.stream is not None and ws.gather.shape[-1] == K
+    # The push is queued first: the copies are the longer path at small shapes (three shards cross one link while
+    # the GEMM computes four), and issuing them by address costs the GEMM's start a few µs. (With the GEMM first,
+    # the small ag_gemm's copies started 69 µs after it and it ended 46 µs after tilecomm's GEMM alone: 4 H200s,
+    # BENCHMARKS.md 2026-11-27 from 17:52 UTC.) A push kernel must start first anyway: the persistent GEMM would
+    # hold every SM, on every member, and none could push.
     if pdl:  # the push, then the GEMM as its dependent, both on this stream (module docstring)
         push_kernel()
     elif W > 1:
         if ws.stream is not None:  # the push after what the caller queued before this call (not the GEMM)
             ws.queued.record(torch.cuda.current_stream(a.device))
             ws.stream.wait_event(ws.queued)
-        if gemm_first:
-            gemm()
         if ws.push == "copy":
             _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
         else:
             with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
                 push_kernel()
-    if not gemm_first:
-        gemm()
+    gemm()
     if W > 1 and ws.stream is not None and not pdl:
         ws.pushed.record(ws.stream)
         torch.cuda.current_stream(a.device).wait_event(ws.pushed)

@@ -3,8 +3,21 @@
     a [M, k], b [k, N] on every member of the team (a torch.distributed group, default the world, of
     W ranks; M divisible by W) -> out [M/W, N], rows me*M/W ... of the sum (me: index in the group)
 
-One persistent kernel (the TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting
-with member me+1 and ending with its own:
+Two ways (`GemmRsWorkspace.push`, chosen as ag_gemm's push is: team.push_mode):
+
+"copy" (every member directly reachable: NVLink peers, CPU ranks). Block by block on the caller's stream,
+members me+1, me+2, ... and the own block last: the block's GEMM (torch.mm: cuBLAS) into a local stage, then
+the copy engine, on the workspace's stream, copies it into slot me of that member's symmetric recv buffer and
+writes the member's flag[me] = epoch behind it (a stream write, tilecomm.stream_ops); the own block goes
+straight into the own slot. The copies run beside the next blocks' GEMMs and take no SM. Last, one kernel sums
+the W slots in member order (fp32) into `out` once every other member's flag holds the call's epoch. The recv
+buffer is double-buffered by call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1
+used: ag_gemm's argument, module docstring there). On 4 H200s the fused kernel below took the small shape to
+1.37x the GEMM alone, its tile stores over NVLink stalling the math (BENCHMARKS.md, 2026-11-27 from 17:52 UTC).
+
+"kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping). One persistent kernel (the
+TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting with member me+1 and ending with its
+own:
 
 * a peer's tile is stored straight into slot me of the owner's symmetric receive buffer, and the
   owner's flag[me, tile] is SET to the call's epoch after the program's *next* main loop (or before it
@@ -22,6 +35,7 @@ Before writing into a peer's buffer the kernel waits for the peer's consumed wor
 a one-program kernel SETs consumed[me] on every member at the end. On CPU ranks the interpreter runs
 programs one after another, so peer tiles and own tiles are two launches there (an own tile waits for
 peers' first launches only); on GPUs one launch (all programs are resident).
+A call with nothing to compute spends no epoch.
 Kernels see team indices; `pes_ptr` maps them to PEs (team.py). Buffers live in a `GemmRsWorkspace`
 made up front (layers make theirs in `__init__`); without one, a temporary workspace per call.
 `gemm_rs_reference` is the torch version the tests use.
@@ -34,9 +48,10 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm import stream_ops
 from tilecomm.jit import CachedLaunch, cdiv
 
-from .team import OpWorkspace, release, team_of
+from .team import OpWorkspace, push_mode, release, team_of
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
                     resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
@@ -44,27 +59,47 @@ MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
 
 
 class GemmRsWorkspace(OpWorkspace):
-    """Symmetric buffers of gemm_rs over `group` for outputs of up to `max_rows` rows (M/W) of `N`
-    columns of `dtype` (collective over the world): recv [W, max_rows, N], flags, consumed."""
+    """Buffers of gemm_rs over `group` for outputs of up to `max_rows` rows (M/W) of `N` columns of `dtype`
+    (collective over the world). push (module docstring): "copy", "kernel" or "auto" ("copy" where every member
+    is directly reachable and stream writes work, else "kernel"; the choice is in `self.push`).
+    "kernel": symmetric recv [W, max_rows, N], flags [W * tiles], consumed [W].
+    "copy": symmetric recv [2, W, max_rows, N] (by call parity) and flags [W]; a local stage [W - 1, max_rows, N]
+    for the partial blocks on their way out, a stream for the copies and the events that order the two."""
 
-    def __init__(self, N: int, dtype: torch.dtype, max_rows: int, group=None):
+    def __init__(self, N: int, dtype: torch.dtype, max_rows: int, group=None, push: str = "auto"):
         team = team_of(group, "GemmRsWorkspace")
         for name, v in (("N", N), ("max_rows", max_rows)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"GemmRsWorkspace: {name} must be a positive int, got {v!r}")
-        self.N, self.dtype, self.max_rows = N, dtype, max_rows
-        super().__init__(team, "tilecomm.overlap.gemm_rs", self.specs(N, dtype, max_rows, team.size))
+        push = push_mode(push, team, "GemmRsWorkspace")  # (before any allocation: a bad push raises)
+        self.N, self.dtype, self.max_rows, self.push = N, dtype, max_rows, push
+        super().__init__(team, "tilecomm.overlap.gemm_rs", self.specs(N, dtype, max_rows, team.size, push))
+        if push != "copy":
+            return
+        W, me, device = team.size, team.index, self.recv.device
+        self.stage = torch.empty((W - 1, max_rows, N), dtype=dtype, device=device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.issuer = stream_ops.StreamIssuer(device, self.stream)
+        # by address: member d's recv and flags as this rank's mapped views of d's heap
+        self.peer_recv_addr = {d: tilecomm.peer(self.recv, team.ranks[d]).data_ptr() for d in range(W) if d != me}
+        self.peer_flags_addr = {d: tilecomm.peer(self.flags, team.ranks[d]).data_ptr() for d in range(W) if d != me}
+        cuda = self.stream is not None
+        self.computed = [torch.cuda.Event() if cuda else None for _ in range(W - 1)]  # stage block k is ready
+        self.pushed = torch.cuda.Event() if cuda else None  # every copy of the call has been issued before it
 
     @staticmethod
-    def specs(N: int, dtype: torch.dtype, max_rows: int, W: int) -> dict:
+    def specs(N: int, dtype: torch.dtype, max_rows: int, W: int, push: str) -> dict:
+        if push == "copy":
+            return {"recv": ((2, W, max_rows, N), dtype, False), "flags": ((W,), torch.int64, True)}
         return {"recv": ((W, max_rows, N), dtype, False),
                 "flags": ((W * cdiv(max_rows, MIN_BLOCK) * cdiv(N, MIN_BLOCK),), torch.int64, True),
                 "consumed": ((W,), torch.int64, True)}
 
     @classmethod
     def heap_bytes(cls, N: int, dtype: torch.dtype, max_rows: int, W: int) -> int:
-        """Symmetric heap bytes of GemmRsWorkspace(N, dtype, max_rows) over a group of W ranks, on each rank."""
-        return cls.heap_bytes_of(cls.specs(N, dtype, max_rows, W))
+        """Symmetric heap bytes of GemmRsWorkspace(N, dtype, max_rows) over a group of W ranks, on each rank
+        (the larger of the two pushes': "auto" picks at run time)."""
+        return max(cls.heap_bytes_of(cls.specs(N, dtype, max_rows, W, push)) for push in ("copy", "kernel"))
 
 
 @tilecomm.jit
@@ -213,16 +248,67 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
     (M, K), N, W = a.shape, b.shape[1], team.size
     mb = M // W
     ws = workspace or GemmRsWorkspace(N, a.dtype, max(mb, 1), group)
-    epoch = ws.begin(("gemm_rs", M, K, N, str(a.dtype)))
     out = torch.empty((mb, N), dtype=a.dtype, device=a.device)
-    if mb and N and K:
-        _launch(a, b, out, ws, epoch, team, config)
-    else:
+    if mb and N and K:  # (every member has the same shapes: the workspace compares the calls')
+        epoch = ws.begin(("gemm_rs", M, K, N, str(a.dtype)))
+        if ws.push == "copy":
+            _gemm_then_copy(a, b, out, ws, epoch, team)
+        else:
+            _launch(a, b, out, ws, epoch, team, config)
+            release(ws, team)
+    else:  # nothing moves: no epoch is spent, so the parity argument of the module docstring holds
         out.zero_()
-    release(ws, team)
     if workspace is None:
         ws.free()
     return out
+
+
+@tilecomm.jit(do_not_specialize=["epoch"])
+def _sum_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_stride, BLOCK: tl.constexpr):
+    """push="copy": out[i] = the sum over members s = 0, 1, ... (fp32) of slot s's element i (recv [W, slot_stride]
+    of this call's parity), for this program's BLOCK elements, once every other member's flag says its block of
+    this call has landed."""
+    g = me
+    for s in range(1, W):
+        tok = tcl.wait(flags_ptr + (me + s) % W, epoch, tcl.CMP_GE)
+        g = tcl.consume_token(g, tok).to(tl.int32)
+    slots = recv_ptr + (g - me)  # (g == me: the loads below depend on the waits)
+    offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, W):
+        acc += tl.load(slots + tl.cast(s, tl.int64) * slot_stride + offs, mask=mask, other=0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_SUM_SLOTS = CachedLaunch(_sum_slots_kernel)
+_SUM_BLOCK = 4096  # elements per program of _sum_slots_kernel
+
+
+def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
+    """push="copy" (module docstring): member d's block a[d rows] @ b into the stage, then by the copy engine
+    into slot me of d's recv (this call's parity) with d's flag[me] written behind it, members me + 1, me + 2,
+    ... in turn; the own block straight into the own slot; then the sum of the W slots into out."""
+    (M, _), N, W, me = a.shape, b.shape[1], team.size, team.index
+    mb, parity = M // W, epoch % 2
+    slot_bytes = ws.max_rows * N * a.element_size()
+    main = torch.cuda.current_stream(a.device) if ws.stream is not None else None
+    for k in range(1, W):
+        d = (me + k) % W
+        block = ws.stage[k - 1, :mb]
+        torch.mm(a[d * mb:(d + 1) * mb], b, out=block)
+        if main is not None:  # the copy after the block's GEMM, beside the next block's
+            ws.computed[k - 1].record(main)
+            ws.stream.wait_event(ws.computed[k - 1])
+        ws.issuer.copy(ws.peer_recv_addr[d] + (parity * W + me) * slot_bytes, block.data_ptr(), mb * N * a.element_size())
+        ws.issuer.write(ws.peer_flags_addr[d] + 8 * me, epoch)
+    slots = ws.recv[parity]
+    torch.mm(a[me * mb:(me + 1) * mb], b, out=slots[me, :mb])
+    _SUM_SLOTS.launch_keyed((cdiv(mb * N, _SUM_BLOCK),), slots, out, ws.flags, epoch, me, W, mb * N,
+                            ws.max_rows * N, BLOCK=_SUM_BLOCK)
+    if main is not None:  # the stage is free again (and the caller's stream past this call) once the copies are
+        ws.pushed.record(ws.stream)
+        main.wait_event(ws.pushed)
 
 
 def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:

@@ -27,6 +27,7 @@ import triton.language as tl
 import tilecomm
 import tilecomm.language as tcl
 
+from tilecomm import _env, stream_ops
 from tilecomm.errors import PeerMismatchError
 from tilecomm.heap import ALIGN, NamedViews
 from tilecomm.jit import CachedLaunch
@@ -64,6 +65,34 @@ def team_of(group, what: str) -> Team:
         pes = torch.tensor(ranks, dtype=torch.int32, device=ctx.device)
         team = ctx.caches[key] = Team(ranks, ranks.index(ctx.rank), len(ranks), pes)
     return team
+
+
+PUSH_MODES = ("auto", "copy", "kernel")
+
+
+def push_mode(push: str, team: Team, what: str) -> str:
+    """How a fused op's workspace moves data to the other members, the same on every rank: "kernel" (its
+    kernels store over NVLink / NVSHMEM), "copy" (the copy engine, flags by stream writes: tilecomm.stream_ops),
+    or for "auto" "copy" where every rank can have it. Collective over the world, as a workspace is; ValueError
+    naming `what` for an unknown push, and on every rank where "copy" is asked for and some rank cannot have it."""
+    if push not in PUSH_MODES:
+        raise ValueError(f"{what}: push={push!r}; expected one of {PUSH_MODES}")
+    if push == "kernel":
+        return push
+    ctx = tilecomm.current()
+    if _env.transport() == "nvshmem" and ctx.device.type == "cuda":
+        why = "TILECOMM_TRANSPORT=nvshmem (pushes go through NVSHMEM calls)"
+    elif any(ctx.heap.peers[pe] is None for pe in team.ranks):
+        why = "a member of the team is not directly reachable (no load/store mapping of its heap)"
+    else:
+        why = stream_ops.available(ctx.device)
+    reasons = ctx.boot.all_gather_object(why) if ctx.world_size > 1 else [why]
+    failing = [(r, w) for r, w in enumerate(reasons) if w is not None]
+    if not failing:
+        return "copy"
+    if push == "copy":
+        raise ValueError(f"{what}: push='copy' is not available on rank {failing[0][0]}: {failing[0][1]}")
+    return "kernel"
 
 
 class OpWorkspace(NamedViews):

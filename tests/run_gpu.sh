@@ -45,6 +45,8 @@
 #          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
 #   dispatchworld  tests/dispatch_probe.py on every GPU (one rank each): normal dispatch / combine at world W, their
 #          kernels and the GPU's idle time, per NormalConfig variant (DISPATCH_WORLD_CONFIGS) -> $OUT/dispatch_world.log
+#   a2aengine  tests/a2a_engine_probe.py: one all_to_all's bytes by the copy engine (one stream, a stream per peer,
+#          split) beside tilecomm's and NCCL's all_to_all, link rates only (2+ GPUs) -> $OUT/a2a_engine.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -118,6 +120,11 @@ if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, so
     TILECOMM_TRANSPORT=$transport timeout "${SIGNAL_TIMEOUT:-90}" torchrun --standalone --nproc-per-node "$NGPU" \
       tests/signal_probe.py 2>&1 | tee -a "$OUT/signal_probe.log" | grep -E "rank|Error|error" | grep -v "named symbol\|^W1"
   done
+fi
+
+if has a2aengine && [ "$NGPU" -ge 2 ]; then
+  timeout "${A2A_ENGINE_TIMEOUT:-120}" torchrun --standalone --nproc-per-node "$NGPU" tests/a2a_engine_probe.py 2>&1 \
+    | sed -u "s/.*named symbol not found//" | tee "$OUT/a2a_engine.log" | grep -E "world|Error"
 fi
 
 if has commprofile && [ "$NGPU" -ge 2 ]; then

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 
 import pytest
 import torch
@@ -80,19 +81,43 @@ def test_ag_gemm_copy_chunks():
         assert rows * K * elem >= min(_COPY_CHUNK_BYTES, m * K * elem)  # no chunk smaller than needed
 
 
-def gemm_rs_body(mb, K, N, dtype, calls):
+class _SlowLaunch:
+    """A CachedLaunch stand-in that sleeps before each launch (a reader that falls behind its peers)."""
+
+    def __init__(self, inner, seconds):
+        self.inner, self.seconds = inner, seconds
+
+    def launch_keyed(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        self.inner.launch_keyed(*args, **kwargs)
+
+
+def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_sum=False):
     rank, world = tilecomm.rank(), tilecomm.world_size()
-    ws = GemmRsWorkspace(N, dtype, mb)
-    for call in range(calls):
+    module = importlib.import_module("tilecomm.overlap.gemm_rs")
+    sum_slots = module._SUM_SLOTS
+    if slow_sum and rank == 0:  # rank 0 sums late: the others' next call must not overwrite what it reads
+        module._SUM_SLOTS = _SlowLaunch(sum_slots, 0.3)
+    nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
+    if push == "copy" and nvshmem:
+        with pytest.raises(ValueError, match="push='copy' is not available on rank 0: TILECOMM_TRANSPORT=nvshmem"):
+            GemmRsWorkspace(N, dtype, mb + 2, push=push)
+        return
+    ws = GemmRsWorkspace(N, dtype, mb + 2, push=push)  # more rows than the calls use
+    assert ws.push == ("kernel" if push == "kernel" or nvshmem else "copy")
+    calls_made = []  # every call first, then the checks: no collective between calls holds a rank back
+    for call in range(calls):  # fresh data each call: both halves of the copy push's recv buffer are reused
         a = _rand((world * mb, K), 10 * call + rank, dtype)
         b = _rand((K, N), 10 * call + 5 + rank, dtype)
         if call % 2:
             b = b.t().contiguous().t()
-        out = gemm_rs(a, b, workspace=ws) if call < calls - 1 else gemm_rs(a, b)
+        calls_made.append((a, b, gemm_rs(a, b, workspace=ws) if call < calls - 1 else gemm_rs(a, b)))
+    for call, (a, b, out) in enumerate(calls_made):
         parts = [x.double() @ y.double() for x, y in zip(gather_all(a), gather_all(b))]
         want = sum(parts)[rank * mb:(rank + 1) * mb]
         err = _rel(out, want)
         assert out.shape == (mb, N) and err < TOL[dtype], f"call {call}: rel err {err}"
+    module._SUM_SLOTS = sum_slots
     ws.free()
 
 
@@ -101,6 +126,18 @@ def gemm_rs_body(mb, K, N, dtype, calls):
 def test_gemm_rs(ranks, world, dtype):
     # odd sizes; bf16 with N = 40 (16-byte rows): partial tiles then reach the owner by TMA loads
     ranks(world).run(gemm_rs_body, 17, 29, 40 if dtype == torch.bfloat16 else 21, dtype, 3)
+
+
+@pytest.mark.parametrize("world,push", [(3, "kernel"), (2, "copy"), (4, "copy"), (3, "copy")])
+def test_gemm_rs_push_modes(ranks, world, push):
+    """Both pushes over 5 calls (the copy push's two recv halves each reused twice), uneven sizes."""
+    ranks(world).run(gemm_rs_body, 13, 19, 22, torch.float32, 5, push)
+
+
+def test_gemm_rs_copy_slow_reader(ranks):
+    """push="copy" with rank 0 summing late in every call: its peers run ahead into their next call, whose
+    copies go to the other half of its recv buffer (one half for every call failed this test)."""
+    ranks(3).run(gemm_rs_body, 13, 19, 22, torch.float32, 4, "copy", True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -197,6 +234,8 @@ def bad_overlap_inputs():
             cls(8, 8, max_tokens=world + 1)
     with pytest.raises(ValueError, match="push='sideways'; expected one of"):
         AgGemmWorkspace(8, torch.float32, 4, push="sideways")
+    with pytest.raises(ValueError, match="GemmRsWorkspace: push='sideways'; expected one of"):
+        GemmRsWorkspace(8, torch.float32, 4, push="sideways")
     ws = AgGemmWorkspace(8, torch.float32, 4)
     with pytest.raises(ValueError, match="does not fit the workspace"):
         ag_gemm(randn(5, 8), b, workspace=ws)  # more rows than max_rows

@@ -1,0 +1,117 @@
+"""How fast can one all_to_all's bytes cross NVLink, by which engine (a diagnostic for issue 14's all_to_all bar):
+
+    torchrun --nproc-per-node 4 tests/a2a_engine_probe.py
+
+Every rank sends rows/W rows of `cols` bf16 to every rank (itself included) at once, N calls back to back, one
+synchronize; the slowest rank's µs per call. Inputs and outputs are symmetric-heap tensors, so every way below
+writes straight into the reader's output and none stages (no handshake either: these are link rates, not
+collectives; the reader's data is not checked beyond the first call):
+- `ce 1 stream`: the W chunks as W cuMemcpyDtoDAsync (the copy engine), one after another on one stream;
+- `ce W streams`: one stream per destination (the copy engines side by side);
+- `ce split S`: each chunk cut in S pieces, issued piece by piece round-robin over the destinations on one stream;
+- `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors / on ordinary tensors (SM stores,
+  handshakes included);
+- `nccl`: torch.distributed.all_to_all_single on ordinary tensors.
+The first call of every copy-engine way is checked against NCCL's result (a wrong address would show).
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+import tilecomm
+from tilecomm.stream_ops import StreamIssuer
+
+SHAPES = [(4096, 7168), (128, 7168)]
+CALLS, RUNS = 10, 5
+
+
+def _time(call) -> float:
+    """The slowest rank's median over RUNS of (CALLS calls back to back) in µs per call."""
+    for _ in range(3):
+        call()
+    samples = []
+    for _ in range(RUNS):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CALLS):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / CALLS)
+    mine = torch.tensor([sorted(samples)[RUNS // 2]], device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.item()
+
+
+def main():
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    tilecomm.init(heap_bytes=1 << 30)
+    world, me = dist.get_world_size(), dist.get_rank()
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    for rows, cols in SHAPES:
+        x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+        src, out = tilecomm.empty((rows, cols), torch.bfloat16), tilecomm.empty((rows, cols), torch.bfloat16)
+        src.copy_(x)
+        ordinary_out = torch.empty_like(x)
+        expect = torch.empty_like(x)
+        dist.all_to_all_single(expect, x)
+        part = rows // world
+        nbytes = part * cols * 2
+        # destination d gets my chunk d at its row block `me`
+        dst_addr = [tilecomm.peer(out, d)[me * part].data_ptr() for d in range(world)]
+        src_addr = [src[d * part].data_ptr() for d in range(world)]
+        order = [(me + k) % world for k in range(world)]
+        one = StreamIssuer(out.device)
+
+        def ce_one_stream():
+            for d in order:
+                one.copy(dst_addr[d], src_addr[d], nbytes)
+
+        issuers = [StreamIssuer(out.device, s) for s in streams]
+
+        def ce_streams():
+            main_stream = torch.cuda.current_stream()
+            for s in streams:
+                s.wait_stream(main_stream)
+            for k, d in enumerate(order):
+                issuers[k].copy(dst_addr[d], src_addr[d], nbytes)
+            for s in streams:
+                main_stream.wait_stream(s)
+
+        def ce_split(pieces):
+            step = -(-nbytes // pieces // 256) * 256
+
+            def call():
+                for lo in range(0, nbytes, step):
+                    for d in order:
+                        one.copy(dst_addr[d] + lo, src_addr[d] + lo, min(step, nbytes - lo))
+            return call
+
+        ways = [("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
+                ("ce split 4", ce_split(4), True), ("ce split 16", ce_split(16), True),
+                ("tilecomm heap", lambda: tilecomm.all_to_all_single(out, src), True),
+                ("tilecomm", lambda: tilecomm.all_to_all_single(ordinary_out, x), False),
+                ("nccl", lambda: dist.all_to_all_single(ordinary_out, x), False)]
+        peer_bytes = (world - 1) * nbytes
+        for name, call, into_heap in ways:
+            (out if into_heap else ordinary_out).fill_(float("nan"))
+            dist.barrier()
+            call()
+            torch.cuda.synchronize()
+            dist.barrier()
+            ok = torch.equal(out if into_heap else ordinary_out, expect)
+            us = _time(call)
+            if me == 0:
+                print(f"world {world} {rows}x{cols}  {name:14s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
+                      f"NVLink per GPU  {'ok' if ok else 'WRONG'}", flush=True)
+    tilecomm.finalize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
