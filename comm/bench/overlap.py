@@ -83,12 +83,13 @@ def config_from_args(args, backend: str, world: int) -> OverlapConfig:
 
 
 def heap_bytes(cfg: OverlapConfig, world: int) -> int:
-    """Every shape's symmetric workspace stays cached: ag_gemm's gather buffer is M x K, gemm_rs's
-    receive buffer M x N; twice their sum (the collectives keep 1/4 of the heap) plus slack."""
+    """Every shape's symmetric workspace stays cached: the workspaces' own heap_bytes summed, twice (the
+    collectives keep 1/4 of the heap) plus slack."""
     from .. import _env
 
-    elem = _DTYPES[cfg.dtype].itemsize
-    need = sum(M * (K if cfg.op == "ag_gemm" else N) * elem for M, K, N in cfg.shapes)
+    dt = _DTYPES[cfg.dtype]
+    need = sum(AgGemmWorkspace.heap_bytes(K, dt, M // world, world) if cfg.op == "ag_gemm"
+               else GemmRsWorkspace.heap_bytes(N, dt, M // world, world) for M, K, N in cfg.shapes)
     return max(_env.heap_bytes(torch.cuda.is_available()), 2 * need + 64 * _MIB)
 
 
