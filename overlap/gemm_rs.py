@@ -52,8 +52,8 @@ from tilecomm import stream_ops
 from tilecomm.jit import CachedLaunch, cdiv
 
 from .team import OpWorkspace, push_mode, release, team_of
-from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, num_programs,
-                    proxy_fence, resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
+                    resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
 
@@ -266,27 +266,23 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _sum_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_stride, BLOCK: tl.constexpr):
     """push="copy": out[i] = the sum over members s = 0, 1, ... (fp32) of slot s's element i (recv [W, slot_stride]
-    of this call's parity), once every other member's flag says its block of this call has landed. Persistent:
-    a program waits once, then sums blocks pid, pid + programs, ... of BLOCK elements (one grid of 2048 small
-    programs, each waiting for the flags, ran the small shape's sum at ~2.5 TB/s on 4 H200s)."""
+    of this call's parity), for this program's BLOCK elements, once every other member's flag says its block of
+    this call has landed."""
     g = me
     for s in range(1, W):
         tok = tcl.wait(flags_ptr + (me + s) % W, epoch, tcl.CMP_GE)
         g = tcl.consume_token(g, tok).to(tl.int32)
     slots = recv_ptr + (g - me)  # (g == me: the loads below depend on the waits)
-    lanes = tl.arange(0, BLOCK)
-    for block in range(tl.program_id(0), tl.cdiv(numel, BLOCK), tl.num_programs(0)):
-        offs = tl.cast(block, tl.int64) * BLOCK + lanes
-        mask = offs < numel
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for s in range(0, W):
-            acc += tl.load(slots + tl.cast(s, tl.int64) * slot_stride + offs, mask=mask, other=0).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, W):
+        acc += tl.load(slots + tl.cast(s, tl.int64) * slot_stride + offs, mask=mask, other=0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _SUM_SLOTS = CachedLaunch(_sum_slots_kernel)
-_SUM_BLOCK = 4096  # elements per step of _sum_slots_kernel
-_SUM_PER_SM = 4  # its programs per SM
+_SUM_BLOCK = 4096  # elements per program of _sum_slots_kernel
 
 
 def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
@@ -308,8 +304,7 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
         ws.issuer.write(ws.peer_flags_addr[d] + 8 * me, epoch)
     slots = ws.recv[parity]
     torch.mm(a[me * mb:(me + 1) * mb], b, out=slots[me, :mb])
-    programs = num_programs(cdiv(mb * N, _SUM_BLOCK), a.device, _SUM_PER_SM)
-    _SUM_SLOTS.launch_keyed((programs,), slots, out, ws.flags, epoch, me, W, mb * N,
+    _SUM_SLOTS.launch_keyed((cdiv(mb * N, _SUM_BLOCK),), slots, out, ws.flags, epoch, me, W, mb * N,
                             ws.max_rows * N, BLOCK=_SUM_BLOCK)
     if main is not None:  # the stage is free again (and the caller's stream past this call) once the copies are
         ws.pushed.record(ws.stream)
