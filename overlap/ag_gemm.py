@@ -264,11 +264,11 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
                      ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
                      BLOCK_M=cfg.BLOCK_M, PDL=pdl)
 
-    # The push is queued first: the copies are the longer path at small shapes (three shards cross one link while
-    # the GEMM computes four), and issuing them by address costs the GEMM's start a few µs. (With the GEMM first,
-    # the small ag_gemm's copies started 69 µs after it and it ended 46 µs after tilecomm's GEMM alone: 4 H200s,
-    # BENCHMARKS.md 2026-11-27 from 17:52 UTC.) A push kernel must start first anyway: the persistent GEMM would
-    # hold every SM, on every member, and none could push.
+    # The push is queued first: at small shapes the copies are the longer path (three shards cross one link while
+    # the GEMM computes four), and issuing them by address delays the GEMM's start by a few µs. On 4 H200s the
+    # order changed nothing measurable: the small ag_gemm took 397.8 µs with the GEMM first and 399.4 with the
+    # push first (tilecomm's GEMM alone 352.5 / 355.9; BENCHMARKS.md 2026-11-27 from 17:52 UTC). A push kernel must
+    # start first anyway: the persistent GEMM would hold every SM, on every member, and none could push.
     if pdl:  # the push, then the GEMM as its dependent, both on this stream (module docstring)
         push_kernel()
     elif W > 1:
