@@ -3,32 +3,29 @@
     a_shard [m, K] on every member of the team (member r holds rows r*m ... (r+1)*m - 1 of A),
     b [K, n] -> C [W*m, n]; the team is a torch.distributed group (default: the world) of W ranks
 
-Two things run at once, on two streams, or on one under PDL (on CPU ranks: one after the other):
+Member me puts its shard into slot me of every other member's symmetric gather buffer and SETs that member's
+flag to the call's epoch, members in the order they read it; the GEMM computes the own shard's rows first, then
+shard me+1, me+2, ..., each once its flag is set. Two ways (`AgGemmWorkspace.push`):
 
-* the push (the workspace's communication stream): member me puts its shard into slot me of every other
-  member's symmetric gather buffer and SETs that member's flag of each chunk to the call's epoch; members
-  that need the shard earliest get it first. Two ways (`AgGemmWorkspace.push`):
-  - "copy" (where every member is directly reachable: NVLink peers, CPU ranks): the copy engine moves the
-    shard into the peer's heap and each flag is a stream write (tilecomm.stream_ops): no SM is taken from the
-    GEMM, and nothing queued behind it needs one. The member that reads the shard first (right after its own)
-    gets it in up to 4 chunks, each flagged as it lands; the others get it in one copy and one flag (their
-    GEMMs read flag 0 for the whole shard): their GEMMs reach it only after one or more whole shards of math.
-    Each copy and flag is a host call, so they go straight to the driver by address (a StreamIssuer made
-    with the workspace; no tensor slicing, no torch op per copy): under torch's copy_ and one stream write
-    per chunk flag, a small ag_gemm's copies at W = 4 started 60-130 µs apart on 4 H200s and the GEMM waited
-    for the last one (BENCHMARKS.md, 2026-11-27 from 16:11 UTC). The copies are queued before the GEMM
-    is launched: they are the longer path at small shapes (where the gather buffer's rows are unpadded, every
-    copy is one memcpy, not a kernel; padded rows go through torch's strided copy_);
-  - "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
-    programs per peer, tcl.put row by row and tcl.signal per row tile. Its programs must hold SMs before the
-    persistent GEMM takes them all (the GEMM waits for their flags). On sm_90+ GPUs the push goes on the
-    caller's stream and the GEMM is launched as its programmatic dependent (PDL): every push program first
-    calls gdc_launch_dependents, so no GEMM program starts before every push program has, and each GEMM
-    program ends with gdc_wait, so what follows on the stream is ordered after both. (Elsewhere: the
-    workspace's stream, queued before the GEMM, which only the GPU's launch order keeps first.)
-* GEMM (current stream, the TMA tile GEMM of tiles.py, persistent): tiles in ring order, own shard first
-  (read in place, no waiting), then shards me+1, me+2, ...; before a peer's tile it waits for the flag of
-  that tile's chunk, so the first tiles compute while later ones are still arriving.
+* "copy" (every member directly reachable: NVLink peers, CPU ranks). On the workspace's stream the copy engine
+  moves the shard into each peer's heap, one memcpy per member by address (a StreamIssuer made with the
+  workspace; padded gather rows go through torch's strided copy_), each followed by the member's flag as a stream
+  write (tilecomm.stream_ops): no SM is taken from the GEMM. On the caller's stream, one GEMM per shard
+  (torch.mm: cuBLAS) into its rows of C, each peer shard's behind a one-program kernel that waits for its flag
+  (team.wait_word; a stream wait with the runtime's timeout). The copies are queued before the first GEMM.
+  (Until 2026-11-27 the copy push fed the fused kernel below: the small shape 8192x4096x3584 took 1.19x cuBLAS
+  on 4 H200s, the large one 1.07x, with the copies done long before the GEMM needed them; BENCHMARKS.md,
+  2026-11-27 from 17:52 UTC. gemm_rs's copy push, built the same way, took its small shape from 1.37x to 1.14x.)
+* "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
+  programs per peer, tcl.put row by row and tcl.signal per row tile, and one fused persistent GEMM (the TMA
+  tile GEMM of tiles.py): tiles in ring order, own shard first (read in place, no waiting), then shards me+1,
+  me+2, ...; before a peer's tile it waits for that row tile's flag, so the first tiles compute while later
+  ones are still arriving. The push programs must hold SMs before the persistent GEMM takes them all (the GEMM
+  waits for their flags). On sm_90+ GPUs the push goes on the caller's stream and the GEMM is launched as its
+  programmatic dependent (PDL): every push program first calls gdc_launch_dependents, so no GEMM program starts
+  before every push program has, and each GEMM program ends with gdc_wait, so what follows on the stream is
+  ordered after both. (Elsewhere: the workspace's stream, queued before the GEMM, which only the GPU's launch
+  order keeps first.) On CPU ranks the push runs first, then the GEMM.
 
 The gather buffer is double-buffered by call parity, so no call waits for the members to have read the last
 one: call e + 1 writes the buffer call e - 1 used, and it starts (the push stream waits for the current one)
@@ -52,14 +49,12 @@ from tilecomm.jit import CachedLaunch, cdiv, pdl_available
 
 from tilecomm import stream_ops
 
-from .team import OpWorkspace, push_mode, team_of
+from .team import OpWorkspace, push_mode, team_of, wait_word
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
 _PUSH_PROGRAMS = 8  # push="kernel": programs per peer
-_COPY_CHUNKS = 4  # push="copy": at most this many copies (and flags) per peer ...
-_COPY_CHUNK_BYTES = 4 << 20  # ... of at least this many bytes each
 
 
 class AgGemmWorkspace(OpWorkspace):
@@ -119,7 +114,7 @@ def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_am, stride_gm, slot_stride,
-                 flag_stride, tiles_per_flag, later_tiles_per_flag, stride_b, stride_cm, BLOCK_M: tl.constexpr,
+                 flag_stride, stride_b, stride_cm, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr,
                  PDL: tl.constexpr):
@@ -137,9 +132,7 @@ def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me,
             a_src = a_ptr
             stride = stride_am
         else:
-            # the shard read at step 1 is flagged per chunk; later ones per later_tiles_per_flag row tiles
-            per_flag = tl.where(step == 1, tiles_per_flag, later_tiles_per_flag)
-            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m // per_flag, epoch, tcl.CMP_GE)
+            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m, epoch, tcl.CMP_GE)  # the push's flag of this row tile
             g = proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the peer's stores
             a_src = gather_ptr + g.to(tl.int64) * slot_stride
             stride = stride_gm
@@ -203,88 +196,78 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = Fals
     return (c, gathered) if return_gathered else c
 
 
-def _copy_chunk_rows(m: int, K: int, elem: int, block_m: int) -> int:
-    """push="copy": rows per copy, a multiple of the GEMM's row tile (one flag per chunk)."""
-    rows = max(cdiv(m, _COPY_CHUNKS), cdiv(_COPY_CHUNK_BYTES, max(K * elem, 1)))
-    return cdiv(rows, block_m) * block_m
-
-
-def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, chunk_rows: int) -> None:
-    """Copy engine, on the workspace's stream: the shard into each other member's gather slot, each flag
-    written in stream order behind its rows; members in the order they read it. The one at step 1 gets it
-    chunk by chunk (flag i after chunk i), the others in one copy followed by flag 0 (module docstring).
-    Unpadded rows (gather row = K columns) go by address through ws.issuer: one memcpy per copy; padded rows
-    through torch's strided copy_ into the peer's heap view."""
+def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team) -> None:
+    """Copy engine, on the workspace's stream: the shard into each other member's gather slot, in the order the
+    members read it, each copy followed by the member's flag (word 0 of this shard's flags). Unpadded rows (gather
+    row = K columns) go by address through ws.issuer, one memcpy per member; padded rows through torch's strided
+    copy_ into the peer's heap view."""
     (m, K), W, me = a_shard.shape, team.size, team.index
     flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
     row = K * a_shard.element_size()  # bytes of a row in a_shard (contiguous) and, unpadded, in a slot
-    by_address = ws.gather.shape[-1] == K
     slot_bytes = ws.max_rows * row  # (unpadded) one member's slot of the gather buffer [2, W, max_rows, K]
-    src = a_shard.data_ptr()
     for step in range(1, W):
         dest = (me - step) % W  # reads this shard at its step `step`
-        spans = [(r0, min(m, r0 + chunk_rows)) for r0 in range(0, m, chunk_rows)] if step == 1 else [(0, m)]
-        if by_address:
-            slot = ws.peer_gather_addr[dest] + ((epoch % 2) * W + me) * slot_bytes
-            flag = ws.peer_flags_addr[dest] + me * flag_stride * 8
-            for i, (r0, r1) in enumerate(spans):
-                ws.issuer.copy(slot + r0 * row, src + r0 * row, (r1 - r0) * row)
-                ws.issuer.write(flag + 8 * i, epoch)
+        if ws.gather.shape[-1] == K:
+            ws.issuer.copy(ws.peer_gather_addr[dest] + ((epoch % 2) * W + me) * slot_bytes, a_shard.data_ptr(), m * row)
+            ws.issuer.write(ws.peer_flags_addr[dest] + me * flag_stride * 8, epoch)
             continue
-        slot, flags = ws.peer_gather[dest][epoch % 2, me], ws.peer_flags[dest]
         with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
-            for i, (r0, r1) in enumerate(spans):
-                slot[r0:r1, :K].copy_(a_shard[r0:r1], non_blocking=True)
-                stream_ops.write_word(flags[me * flag_stride + i], epoch, ws.stream)
+            ws.peer_gather[dest][epoch % 2, me, :m, :K].copy_(a_shard, non_blocking=True)
+            stream_ops.write_word(ws.peer_flags[dest][me * flag_stride], epoch, ws.stream)
+
+
+def _gemm_by_shard(a_shard: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ws: AgGemmWorkspace, epoch: int,
+                   team) -> None:
+    """push="copy", on the caller's stream: the own shard's rows of C (torch.mm: cuBLAS), then shard me+1, me+2,
+    ... in turn, each behind a one-program kernel that waits for the shard's flag (team.wait_word)."""
+    (m, K), W, me = a_shard.shape, team.size, team.index
+    g = ws.gather[epoch % 2]
+    flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
+    torch.mm(a_shard, b, out=c[me * m:(me + 1) * m])
+    for step in range(1, W):
+        src = (me + step) % W
+        wait_word(ws.flags, src * flag_stride, epoch)
+        torch.mm(g[src, :m, :K], b, out=c[src * m:(src + 1) * m])
 
 
 def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
+    """The push and the GEMM of one call (module docstring): the copies first, then the per-shard GEMMs; or the
+    push kernel, then the fused GEMM."""
+    W = team.size
+    if ws.stream is not None and W > 1 and not (ws.push == "kernel" and ws.pdl):
+        ws.queued.record(torch.cuda.current_stream(a_shard.device))  # the push after what the caller queued
+        ws.stream.wait_event(ws.queued)
+    if ws.push == "copy":
+        _push_by_copy(a_shard, ws, epoch, team)
+        _gemm_by_shard(a_shard, b, c, ws, epoch, team)
+    else:
+        _launch_kernels(a_shard, b, c, ws, epoch, team, config)
+    if W > 1 and ws.stream is not None and not (ws.push == "kernel" and ws.pdl):
+        ws.pushed.record(ws.stream)
+        torch.cuda.current_stream(a_shard.device).wait_event(ws.pushed)
+        a_shard.record_stream(ws.stream)
+
+
+def _launch_kernels(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
+    """push="kernel": the push kernel (as the GEMM's PDL primary on this stream, or on the workspace's stream),
+    then the fused GEMM. The push must start first: the persistent GEMM would hold every SM, on every member,
+    and none could push."""
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
     g = ws.gather[epoch % 2]
     flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
     a, _ = tma_operand(a_shard)
     bt, b_trans = tma_operand(b, allow_trans=True)
-    C_TMA = c.stride(0) * c.element_size() % 16 == 0
     cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
-    chunk_rows = _copy_chunk_rows(m, K, a.element_size(), cfg.BLOCK_M) if ws.push == "copy" else cfg.BLOCK_M
-    # flags of the shards read after step 1: the copy push writes flag 0 for a whole shard, the kernel one per tile
-    later_tiles_per_flag = cdiv(m, cfg.BLOCK_M) if ws.push == "copy" else 1
-
     pdl = W > 1 and ws.pdl
-    pdl_launch = {"launch_pdl": True} if pdl else {}
-
-    def gemm():
-        launch_gemm(_GEMM, W * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags,
-                    epoch, m, N, K, me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride,
-                    chunk_rows // cfg.BLOCK_M, later_tiles_per_flag, bt.stride(0), c.stride(0), B_TRANS=b_trans,
-                    C_TMA=C_TMA, PRECISION=dot_precision(a.dtype), PDL=pdl, **pdl_launch)
-
-    def push_kernel():
-        _PUSH.launch((W - 1, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M, pdl), a_shard, g,
-                     ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
-                     BLOCK_M=cfg.BLOCK_M, PDL=pdl)
-
-    # The push is queued first: at small shapes the copies are the longer path (three shards cross one link while
-    # the GEMM computes four), and issuing them by address delays the GEMM's start by a few µs. On 4 H200s the
-    # order changed nothing measurable: the small ag_gemm took 397.8 µs with the GEMM first and 399.4 with the
-    # push first (tilecomm's GEMM alone 352.5 / 355.9; BENCHMARKS.md 2026-11-27 from 17:52 UTC). A push kernel must
-    # start first anyway: the persistent GEMM would hold every SM, on every member, and none could push.
-    if pdl:  # the push, then the GEMM as its dependent, both on this stream (module docstring)
-        push_kernel()
-    elif W > 1:
-        if ws.stream is not None:  # the push after what the caller queued before this call (not the GEMM)
-            ws.queued.record(torch.cuda.current_stream(a.device))
-            ws.stream.wait_event(ws.queued)
-        if ws.push == "copy":
-            _push_by_copy(a_shard, ws, epoch, team, chunk_rows)
-        else:
-            with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
-                push_kernel()
-    gemm()
-    if W > 1 and ws.stream is not None and not pdl:
-        ws.pushed.record(ws.stream)
-        torch.cuda.current_stream(a.device).wait_event(ws.pushed)
-        a_shard.record_stream(ws.stream)
+    if W > 1:
+        with torch.cuda.stream(ws.stream) if ws.stream is not None and not pdl else contextlib.nullcontext():
+            _PUSH.launch((W - 1, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M, pdl), a_shard,
+                         g, ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
+                         BLOCK_M=cfg.BLOCK_M, PDL=pdl)
+    launch_gemm(_GEMM, W * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags, epoch, m, N, K,
+                me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride, bt.stride(0), c.stride(0), B_TRANS=b_trans,
+                C_TMA=c.stride(0) * c.element_size() % 16 == 0, PRECISION=dot_precision(a.dtype), PDL=pdl,
+                **({"launch_pdl": True} if pdl else {}))
 
 
 def ag_gemm_reference(a_shard: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

@@ -27,14 +27,12 @@ def _rand(shape, seed, dtype):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(dev())
 
 
-def ag_gemm_body(m, K, n, dtype, calls, push="auto", chunk_bytes=None):
-    # the module itself: `import tilecomm.overlap.ag_gemm as module` gives the function of that name, which
-    # tilecomm.overlap's __init__ binds over the submodule (setting the chunk size on it changed nothing)
-    module = importlib.import_module("tilecomm.overlap.ag_gemm")
-
+def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False):
     rank = tilecomm.rank()
-    if chunk_bytes:  # push="copy" in several chunks (each its own flag) even at these small sizes
-        module._COPY_CHUNK_BYTES = chunk_bytes
+    module = importlib.import_module("tilecomm.overlap.ag_gemm")  # (the package binds a function of that name)
+    wait_word = module.wait_word
+    if slow_wait and rank == 0:  # rank 0 reads late: the others' next call must not overwrite what it reads
+        module.wait_word = lambda *args: (time.sleep(0.3), wait_word(*args))
     # the copy engine pushes where every peer's heap is mapped (CPU ranks, GPUs over NVLink), not through NVSHMEM
     nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
     if push == "copy" and nvshmem:
@@ -43,13 +41,16 @@ def ag_gemm_body(m, K, n, dtype, calls, push="auto", chunk_bytes=None):
         return
     ws = AgGemmWorkspace(K, dtype, m + 3, push=push)  # owned, made up front, reused by every call
     assert ws.push == ("kernel" if push == "kernel" or nvshmem else "copy")
+    calls_made = []  # every call first, then the checks: no collective between calls holds a rank back
     for call in range(calls):  # fresh data each call: the gather buffer and flags are reused
         rows = m - call  # fewer rows than the workspace holds
         a = _rand((rows, K), 100 * call + rank, dtype)
         b = _rand((K, n), 100 * call + 77, dtype)
         if call % 2:  # a column-major b (a transposed weight) is read in place
             b = b.t().contiguous().t()
-        c, gathered = ag_gemm(a, b, return_gathered=True, workspace=ws)
+        calls_made.append((a, b, *ag_gemm(a, b, return_gathered=True, workspace=ws)))
+    module.wait_word = wait_word
+    for call, (a, b, c, gathered) in enumerate(calls_made):
         full = torch.cat([t.double() for t in gather_all(a)])
         assert torch.equal(gathered.cpu(), full.to(dtype)), "gathered A differs"
         err = _rel(c, full @ b.double().cpu())
@@ -67,18 +68,14 @@ def test_ag_gemm(ranks, world, dtype):
 
 @pytest.mark.parametrize("world,push", [(3, "kernel"), (2, "copy"), (4, "copy")])
 def test_ag_gemm_push_modes(ranks, world, push):
-    """Both pushes over 4 calls (the gather buffer's two halves each reused); the copy push in chunks of a
-    few row tiles (70 rows: several flags per shard, each covering more than one tile)."""
-    ranks(world).run(ag_gemm_body, 70, 16, 24, torch.float32, 4, push, 2 * 16 * 4)
+    """Both pushes over 4 calls (the gather buffer's two halves each reused), 70 rows: several row tiles."""
+    ranks(world).run(ag_gemm_body, 70, 16, 24, torch.float32, 4, push)
 
 
-def test_ag_gemm_copy_chunks():
-    from tilecomm.overlap.ag_gemm import _COPY_CHUNK_BYTES, _COPY_CHUNKS, _copy_chunk_rows
-
-    for m, K, elem, bm in ((8192, 8192, 2, 128), (100, 7, 4, 16), (1, 1, 2, 64), (4096, 4096, 2, 64)):
-        rows = _copy_chunk_rows(m, K, elem, bm)
-        assert rows % bm == 0 and -(-m // rows) <= _COPY_CHUNKS
-        assert rows * K * elem >= min(_COPY_CHUNK_BYTES, m * K * elem)  # no chunk smaller than needed
+def test_ag_gemm_copy_slow_reader(ranks):
+    """push="copy" with rank 0 waiting late for every shard: its peers run ahead into their next call, whose
+    copies go to the other half of its gather buffer."""
+    ranks(3).run(ag_gemm_body, 21, 16, 24, torch.float32, 4, "copy", True)
 
 
 class _SlowLaunch:
