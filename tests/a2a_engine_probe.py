@@ -9,6 +9,10 @@ collectives; the reader's data is not checked beyond the first call):
 - `ce 1 stream`: the W chunks as W cuMemcpyDtoDAsync (the copy engine), one after another on one stream;
 - `ce W streams`: one stream per destination (the copy engines side by side);
 - `ce split S`: each chunk cut in S pieces, issued piece by piece round-robin over the destinations on one stream;
+- `sm all peers`: one kernel of W x P programs (P = 2 per SM / W), P of them per destination, each tcl.put of
+  its slice (SM stores over NVLink): every GPU writes to every peer at once, as tilecomm's all_to_all does;
+- `sm phased`: W kernels of W x P programs, kernel k all to destination me + k (a permutation at each step, as
+  the copy engine's one-stream way; no handshake between steps, so ranks may drift);
 - `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors / on ordinary tensors (SM stores,
   handshakes included);
 - `nccl`: torch.distributed.all_to_all_single on ordinary tensors.
@@ -18,11 +22,25 @@ import os
 
 import torch
 import torch.distributed as dist
+import triton.language as tl
 
 import tilecomm
+import tilecomm.language as tcl
 from tilecomm.stream_ops import StreamIssuer
 
 SHAPES = [(4096, 7168), (128, 7168)]
+
+
+@tilecomm.jit
+def _put_kernel(out_ptr, src_ptr, part, me, W, FIRST_K):
+    """Program (i, q): my chunk for destination d = (me + FIRST_K + i) % W, slice q of num_programs(1), into d's
+    out at row block me."""
+    d = (me + FIRST_K + tl.program_id(0)) % W
+    per = tl.cdiv(part, tl.num_programs(1))
+    lo = tl.program_id(1) * per
+    n = tl.minimum(per, part - lo)
+    if n > 0:
+        tcl.put(out_ptr + tl.cast(me, tl.int64) * part + lo, src_ptr + tl.cast(d, tl.int64) * part + lo, n, d)
 CALLS, RUNS = 10, 5
 
 
@@ -92,7 +110,16 @@ def main():
                         one.copy(dst_addr[d] + lo, src_addr[d] + lo, min(step, nbytes - lo))
             return call
 
-        ways = [("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
+        programs = 2 * torch.cuda.get_device_properties(out.device).multi_processor_count
+
+        def sm_all_peers():
+            _put_kernel[(world, programs // world)](out, src, part * cols, me, world, 0)
+
+        def sm_phased():
+            for k in range(world):
+                _put_kernel[(1, programs)](out, src, part * cols, me, world, k)
+
+        ways = [("sm all peers", sm_all_peers, True), ("sm phased", sm_phased, True), ("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
                 ("ce split 4", ce_split(4), True), ("ce split 16", ce_split(16), True),
                 ("tilecomm heap", lambda: tilecomm.all_to_all_single(out, src), True),
                 ("tilecomm", lambda: tilecomm.all_to_all_single(ordinary_out, x), False),
