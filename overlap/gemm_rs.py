@@ -12,8 +12,9 @@ writes the member's flag[me] = epoch behind it (a stream write, tilecomm.stream_
 straight into the own slot. The copies run beside the next blocks' GEMMs and take no SM. Last, one kernel sums
 the W slots in member order (fp32) into `out` once every other member's flag holds the call's epoch. The recv
 buffer is double-buffered by call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1
-used: ag_gemm's argument, module docstring there). On 4 H200s the fused kernel below took the small shape to
-1.37x the GEMM alone, its tile stores over NVLink stalling the math (BENCHMARKS.md, 2026-11-27 from 17:52 UTC).
+used: ag_gemm's argument, module docstring there). On 4 H200s the copy push takes 1.14x / 1.07x the GEMM alone
+(8192x3584x4096 / 8192x7168x8192; the sum pass is most of the rest), where the fused kernel below took 1.37x / 1.15x,
+its tile stores over NVLink stalling the math (BENCHMARKS.md, 2026-11-27 from 17:52 UTC).
 
 "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping). One persistent kernel (the
 TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting with member me+1 and ending with its
@@ -300,7 +301,8 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
         if main is not None:  # the copy after the block's GEMM, beside the next block's
             ws.computed[k - 1].record(main)
             ws.stream.wait_event(ws.computed[k - 1])
-        ws.issuer.copy(ws.peer_recv_addr[d] + (parity * W + me) * slot_bytes, block.data_ptr(), mb * N * a.element_size())
+        ws.issuer.copy(ws.peer_recv_addr[d] + (parity * W + me) * slot_bytes, block.data_ptr(),
+                       mb * N * a.element_size())
         ws.issuer.write(ws.peer_flags_addr[d] + 8 * me, epoch)
     slots = ws.recv[parity]
     torch.mm(a[me * mb:(me + 1) * mb], b, out=slots[me, :mb])
