@@ -9,12 +9,14 @@ Two ways (`GemmRsWorkspace.push`, chosen as ag_gemm's push is: team.push_mode):
 members me+1, me+2, ... and the own block last: the block's GEMM (torch.mm: cuBLAS) into a local stage, then
 the copy engine, on the workspace's stream, copies it into slot me of that member's symmetric recv buffer and
 writes the member's flag[me] = epoch behind it (a stream write, tilecomm.stream_ops); the own block goes
-straight into the own slot. The copies run beside the next blocks' GEMMs and take no SM. Last, one kernel sums
-the W slots in member order (fp32) into `out` once every other member's flag holds the call's epoch. The recv
-buffer is double-buffered by call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1
-used: ag_gemm's argument, module docstring there). On 4 H200s the copy push takes 1.14x / 1.07x the GEMM alone
-(8192x3584x4096 / 8192x7168x8192; the sum pass is most of the rest), where the fused kernel below took 1.37x / 1.15x,
-its tile stores over NVLink stalling the math (BENCHMARKS.md, 2026-11-27 from 17:52 UTC).
+straight into `out`. The copies run beside the next blocks' GEMMs and take no SM. Last, one kernel adds the
+other members' slots (fp32) to `out` once their flags hold the call's epoch. At W = 1 there is no other member,
+so no such kernel: the op is the GEMM, at cuBLAS's speed (issue 10's world-1 bar). The recv buffer is
+double-buffered by call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1 used:
+ag_gemm's argument, module docstring there). On 4 H200s the copy push took 1.14x / 1.07x the GEMM alone
+(8192x3584x4096 / 8192x7168x8192; most of the rest was a pass summing all W slots, which the add pass above
+replaced with the same traffic), where the fused kernel below took 1.37x / 1.15x, its tile stores over NVLink
+stalling the math (BENCHMARKS.md, 2026-11-27 from 17:52 UTC).
 
 "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping). One persistent kernel (the
 TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting with member me+1 and ending with its
@@ -265,31 +267,32 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
-def _sum_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_stride, BLOCK: tl.constexpr):
-    """push="copy": out[i] = the sum over members s = 0, 1, ... (fp32) of slot s's element i (recv [W, slot_stride]
-    of this call's parity), for this program's BLOCK elements, once every other member's flag says its block of
-    this call has landed."""
+def _add_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_stride, BLOCK: tl.constexpr):
+    """push="copy": out[i] += the other members' slots' element i, members me + 1, me + 2, ... in turn (fp32; recv
+    [W, slot_stride] of this call's parity), for this program's BLOCK elements, once every other member's flag
+    says its block of this call has landed."""
     g = me
     for s in range(1, W):
         tok = tcl.wait(flags_ptr + (me + s) % W, epoch, tcl.CMP_GE)
         g = tcl.consume_token(g, tok).to(tl.int32)
-    slots = recv_ptr + (g - me)  # (g == me: the loads below depend on the waits)
     offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in range(0, W):
-        acc += tl.load(slots + tl.cast(s, tl.int64) * slot_stride + offs, mask=mask, other=0).to(tl.float32)
+    acc = tl.load(out_ptr + offs, mask=mask, other=0).to(tl.float32)
+    for s in range(1, W):  # (g == me: the loads below depend on the waits)
+        slot = recv_ptr + tl.cast((g + s) % W, tl.int64) * slot_stride
+        acc += tl.load(slot + offs, mask=mask, other=0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_SUM_SLOTS = CachedLaunch(_sum_slots_kernel)
-_SUM_BLOCK = 4096  # elements per program of _sum_slots_kernel
+_ADD_SLOTS = CachedLaunch(_add_slots_kernel)
+_ADD_BLOCK = 4096  # elements per program of _add_slots_kernel
 
 
 def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
     """push="copy" (module docstring): member d's block a[d rows] @ b into the stage, then by the copy engine
     into slot me of d's recv (this call's parity) with d's flag[me] written behind it, members me + 1, me + 2,
-    ... in turn; the own block straight into the own slot; then the sum of the W slots into out."""
+    ... in turn; the own block straight into out; then the other members' slots added to it (none at W = 1: the
+    own block is the whole sum)."""
     (M, _), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb, parity = M // W, epoch % 2
     slot_bytes = ws.max_rows * N * a.element_size()
@@ -304,10 +307,10 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
         ws.issuer.copy(ws.peer_recv_addr[d] + (parity * W + me) * slot_bytes, block.data_ptr(),
                        mb * N * a.element_size())
         ws.issuer.write(ws.peer_flags_addr[d] + 8 * me, epoch)
-    slots = ws.recv[parity]
-    torch.mm(a[me * mb:(me + 1) * mb], b, out=slots[me, :mb])
-    _SUM_SLOTS.launch_keyed((cdiv(mb * N, _SUM_BLOCK),), slots, out, ws.flags, epoch, me, W, mb * N,
-                            ws.max_rows * N, BLOCK=_SUM_BLOCK)
+    torch.mm(a[me * mb:(me + 1) * mb], b, out=out)
+    if W > 1:
+        _ADD_SLOTS.launch_keyed((cdiv(mb * N, _ADD_BLOCK),), ws.recv[parity], out, ws.flags, epoch, me, W, mb * N,
+                                ws.max_rows * N, BLOCK=_ADD_BLOCK)
     if main is not None:  # the stage is free again (and the caller's stream past this call) once the copies are
         ws.pushed.record(ws.stream)
         main.wait_event(ws.pushed)

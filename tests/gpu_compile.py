@@ -83,7 +83,7 @@ CASES = [
                           "N": "i32", "K": "i32", "me": "i32", "W": "i32", "tile_begin": "i32", "tile_end": "i32",
                           "stride_am": "i32", "stride_b": "i32", "stride_om": "i32", "slot_stride": I64,
                           "flag_stride": "i32", **GEMM_SIG}, GEMM),
-    (rs._sum_slots_kernel, {"recv_ptr": "*bf16", "out_ptr": "*bf16", "flags_ptr": I64P, "epoch": I64, "me": "i32",
+    (rs._add_slots_kernel, {"recv_ptr": "*bf16", "out_ptr": "*bf16", "flags_ptr": I64P, "epoch": I64, "me": "i32",
                             "W": "i32", "numel": "i32", "slot_stride": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),
     (gr._rows_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
                        "N": "i32", "E": "i32", "stride_xm": "i32", "stride_we": I64, "stride_w": "i32",

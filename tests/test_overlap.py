@@ -89,12 +89,12 @@ class _SlowLaunch:
         self.inner.launch_keyed(*args, **kwargs)
 
 
-def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_sum=False):
+def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     module = importlib.import_module("tilecomm.overlap.gemm_rs")
-    sum_slots = module._SUM_SLOTS
-    if slow_sum and rank == 0:  # rank 0 sums late: the others' next call must not overwrite what it reads
-        module._SUM_SLOTS = _SlowLaunch(sum_slots, 0.3)
+    add_slots = module._ADD_SLOTS
+    if slow_add and rank == 0:  # rank 0 adds late: the others' next call must not overwrite what it reads
+        module._ADD_SLOTS = _SlowLaunch(add_slots, 0.3)
     nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
     if push == "copy" and nvshmem:
         with pytest.raises(ValueError, match="push='copy' is not available on rank 0: TILECOMM_TRANSPORT=nvshmem"):
@@ -114,7 +114,7 @@ def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_sum=False):
         want = sum(parts)[rank * mb:(rank + 1) * mb]
         err = _rel(out, want)
         assert out.shape == (mb, N) and err < TOL[dtype], f"call {call}: rel err {err}"
-    module._SUM_SLOTS = sum_slots
+    module._ADD_SLOTS = add_slots
     ws.free()
 
 
@@ -132,7 +132,7 @@ def test_gemm_rs_push_modes(ranks, world, push):
 
 
 def test_gemm_rs_copy_slow_reader(ranks):
-    """push="copy" with rank 0 summing late in every call: its peers run ahead into their next call, whose
+    """push="copy" with rank 0 adding its peers' blocks late in every call: its peers run ahead into their next call, whose
     copies go to the other half of its recv buffer (one half for every call failed this test)."""
     ranks(3).run(gemm_rs_body, 13, 19, 22, torch.float32, 4, "copy", True)
 
