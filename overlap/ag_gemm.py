@@ -172,7 +172,8 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = Fals
     """all_gather(a_shard) @ b over `group`'s W ranks, rows in group-rank order: [W*m, n]. With
     return_gathered, also the gathered A [W*m, K] (a copy). b may be row- or column-major. workspace:
     an AgGemmWorkspace for this group, K and dtype (None: a temporary one, made and freed in the call;
-    slower). config: see tiles.resolve_config. Collective over the group (None: the world)."""
+    slower). config: the fused kernel's tiles under push="kernel" (tiles.resolve_config;
+    push="copy" runs cuBLAS). Collective over the group (None: the world)."""
     what = "tilecomm.overlap.ag_gemm"
     team = _check(what, a_shard, b, group, workspace)
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index

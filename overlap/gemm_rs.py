@@ -244,7 +244,8 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
             config=None) -> torch.Tensor:
     """This rank's [M/W, N] row block of the sum over `group`'s W ranks of a @ b (fp32 reduction of the
     partial tiles). b may be row- or column-major. workspace: a GemmRsWorkspace for this group, N and
-    dtype (None: a temporary one, made and freed in the call; slower). config: see tiles.resolve_config.
+    dtype (None: a temporary one, made and freed in the call; slower). config: the fused kernel's tiles
+    under push="kernel" (tiles.resolve_config; push="copy" runs cuBLAS).
     Collective over the group (None: the world)."""
     what = "tilecomm.overlap.gemm_rs"
     team = _check(what, a, b, group, workspace)

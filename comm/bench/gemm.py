@@ -4,8 +4,9 @@
 
 Rows (bf16; FLOPs = 2·M·N·K, µs = triton.testing.do_bench median, L2 flushed between calls):
 * matmul MxNxK: tilecomm.overlap.matmul vs torch.matmul (cuBLAS), C [M, N] = A [M, K] @ B [K, N];
-* ag_gemm / gemm_rs MxKxN at world size 1 (one rank: the fused kernels with their waits and epilogues,
-  no link) vs cuBLAS of the same product; workspaces made up front, as layers do;
+* ag_gemm / gemm_rs MxKxN at world size 1, each push (one rank: push="kernel" runs the fused kernels with their
+  waits and epilogues, push="copy" cuBLAS alone, no link) vs cuBLAS of the same product; workspaces made up
+  front, as layers do;
 * grouped LAYER.proj.product: tilecomm.overlap.grouped_mm's three products (fwd y = x @ w[e],
   dx = dy @ w[e]^T, dw[e] = x_e^T @ dy_e) vs torch._grouped_mm's, for the gate_up ([R, H] x [E, H, 2F])
   and down ([R, F] x [E, F, H]) projections of three expert layers, rows routed uniformly at random.
@@ -102,18 +103,20 @@ def _checked(label: str, got, ref) -> float:
 
 def fused_heap_bytes(dt) -> int:
     """A heap for bench_fused at world 1: the largest workspace it makes (ag_gemm's gather holds two [M, K]
-    buffers, by call parity; gemm_rs's receive buffer [M, N]) beside the collectives' share."""
+    buffers, by call parity; gemm_rs's receive buffer [M, N], two with the copy push) beside the collectives'
+    share."""
     import tilecomm
 
     from .. import _env
 
     size = torch.empty((), dtype=dt).element_size()
-    need = max(max(2 * M * K, M * N) * size for M, K, N in FUSED)
+    need = max(max(2 * M * K, 2 * M * N) * size for M, K, N in FUSED)
     return max(_env.heap_bytes(torch.cuda.is_available()), tilecomm.heap_bytes_for(need))
 
 
 def bench_fused(dt, ops, config) -> list:
-    """ag_gemm / gemm_rs at world size 1 (needs tilecomm.init: a one-rank world)."""
+    """ag_gemm / gemm_rs at world size 1 (needs tilecomm.init: a one-rank world), each push: "copy" (cuBLAS per
+    block; at world 1 the GEMM alone) and "kernel" (the fused Triton kernel with its waits and epilogue)."""
     from tilecomm.overlap import AgGemmWorkspace, GemmRsWorkspace, ag_gemm, gemm_rs
 
     rows = []
@@ -121,16 +124,17 @@ def bench_fused(dt, ops, config) -> list:
         a, b = torch.randn(M, K, device="cuda", dtype=dt), torch.randn(K, N, device="cuda", dtype=dt)
         ref = a @ b
         for op in ops:
-            if op == "ag_gemm":
-                ws = AgGemmWorkspace(K, dt, M)
-                fn = lambda: ag_gemm(a, b, workspace=ws, config=config)  # noqa: E731
-            else:
-                ws = GemmRsWorkspace(N, dt, M)
-                fn = lambda: gemm_rs(a, b, workspace=ws, config=config)  # noqa: E731
-            label = f"{op} {M}x{K}x{N}"
-            _guarded(rows, label, lambda: _row(op, f"{M}x{K}x{N}", 2.0 * M * N * K, fn, lambda: a @ b, "cuBLAS",
-                                               _checked(label, fn(), ref)))
-            ws.free()
+            for push in ("copy", "kernel"):
+                if op == "ag_gemm":
+                    ws = AgGemmWorkspace(K, dt, M, push=push)
+                    fn = lambda: ag_gemm(a, b, workspace=ws, config=config)  # noqa: E731
+                else:
+                    ws = GemmRsWorkspace(N, dt, M, push=push)
+                    fn = lambda: gemm_rs(a, b, workspace=ws, config=config)  # noqa: E731
+                label = f"{op} {push} {M}x{K}x{N}"
+                _guarded(rows, label, lambda: _row(f"{op} {push}", f"{M}x{K}x{N}", 2.0 * M * N * K, fn, lambda: a @ b,
+                                                   "cuBLAS", _checked(label, fn(), ref)))
+                ws.free()
     return rows
 
 
