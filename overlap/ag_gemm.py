@@ -234,8 +234,8 @@ def _gemm_by_shard(a_shard: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ws: 
 def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
     """The push and the GEMM of one call (module docstring): the copies first, then the per-shard GEMMs; or the
     push kernel, then the fused GEMM."""
-    W = team.size
-    if ws.stream is not None and W > 1 and not (ws.push == "kernel" and ws.pdl):
+    side_stream = ws.stream is not None and team.size > 1 and not (ws.push == "kernel" and ws.pdl)
+    if side_stream:
         ws.queued.record(torch.cuda.current_stream(a_shard.device))  # the push after what the caller queued
         ws.stream.wait_event(ws.queued)
     if ws.push == "copy":
@@ -243,7 +243,7 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
         _gemm_by_shard(a_shard, b, c, ws, epoch, team)
     else:
         _launch_kernels(a_shard, b, c, ws, epoch, team, config)
-    if W > 1 and ws.stream is not None and not (ws.push == "kernel" and ws.pdl):
+    if side_stream:  # the caller's stream past the push (a_shard is free once it has been copied)
         ws.pushed.record(ws.stream)
         torch.cuda.current_stream(a_shard.device).wait_event(ws.pushed)
         a_shard.record_stream(ws.stream)
