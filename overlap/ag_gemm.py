@@ -10,22 +10,27 @@ shard me+1, me+2, ..., each once its flag is set. Two ways (`AgGemmWorkspace.pus
 * "copy" (every member directly reachable: NVLink peers, CPU ranks). On the workspace's stream the copy engine
   moves the shard into each peer's heap, one memcpy per member by address (a StreamIssuer made with the
   workspace; padded gather rows go through torch's strided copy_), each followed by the member's flag as a stream
-  write (tilecomm.stream_ops): no SM is taken from the GEMM. On the caller's stream, one GEMM per shard
-  (torch.mm: cuBLAS) into its rows of C, each peer shard's behind a one-program kernel that waits for its flag
-  (team.wait_word; a stream wait with the runtime's timeout). The copies are queued before the first GEMM.
-  (Until 2026-11-27 the copy push fed the fused kernel below: the small shape 8192x4096x3584 took 1.19x cuBLAS
-  on 4 H200s, the large one 1.07x, with the copies done long before the GEMM needed them; BENCHMARKS.md,
-  2026-11-27 from 17:52 UTC. gemm_rs's copy push, built the same way, took its small shape from 1.37x to 1.14x.)
+  write (tilecomm.stream_ops): no SM is taken from the GEMM. On the caller's stream, the own shard's rows of C
+  are one cuBLAS GEMM (torch.mm, reading the shard in place) while the first copies land, then one persistent
+  TMA GEMM (below) computes the W - 1 peer shards' rows, each tile once its shard's flag is set.
+  Measured on 4 H200s (BENCHMARKS.md, 2026-11-27): feeding the fused GEMM all W shards (own one included) took
+  the small shape 8192x4096x3584 to 1.19x cuBLAS, the large one to 1.07x; one cuBLAS GEMM per shard, each behind
+  a wait kernel, to 1.23x / 1.13x.
 * "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
-  programs per peer, tcl.put row by row and tcl.signal per row tile, and one fused persistent GEMM (the TMA
-  tile GEMM of tiles.py): tiles in ring order, own shard first (read in place, no waiting), then shards me+1,
-  me+2, ...; before a peer's tile it waits for that row tile's flag, so the first tiles compute while later
-  ones are still arriving. The push programs must hold SMs before the persistent GEMM takes them all (the GEMM
+  programs per member, tcl.put row by row and tcl.signal per row tile, puts the shard into every member's gather
+  slot, its own included (a put at distance 0: the own shard takes the path a peer's does), and one persistent
+  GEMM computes all W shards' rows from the gather buffer: tiles in ring order, own shard first, then shards
+  me+1, me+2, ...; before a tile it waits for that row tile's flag, so the first tiles compute while later ones
+  are still arriving. The push programs must hold SMs before the persistent GEMM takes them all (the GEMM
   waits for their flags). On sm_90+ GPUs the push goes on the caller's stream and the GEMM is launched as its
   programmatic dependent (PDL): every push program first calls gdc_launch_dependents, so no GEMM program starts
   before every push program has, and each GEMM program ends with gdc_wait, so what follows on the stream is
   ordered after both. (Elsewhere: the workspace's stream, queued before the GEMM, which only the GPU's launch
   order keeps first.) On CPU ranks the push runs first, then the GEMM.
+
+The persistent GEMM (`_gemm_kernel`, the TMA tile GEMM of tiles.py) reads every shard through one descriptor of
+the gather buffer [W, m, K] made once per program; a flag covers `flag_rows` rows of a member's shard (copy: the
+whole shard; kernel: one row tile).
 
 The gather buffer is double-buffered by call parity, so no call waits for the members to have read the last
 one: call e + 1 writes the buffer call e - 1 used, and it starts (the push stream waits for the current one)
@@ -49,7 +54,7 @@ from tilecomm.jit import CachedLaunch, cdiv, pdl_available
 
 from tilecomm import stream_ops
 
-from .team import OpWorkspace, push_mode, team_of, wait_word
+from .team import OpWorkspace, push_mode, team_of
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
@@ -100,10 +105,10 @@ class AgGemmWorkspace(OpWorkspace):
 def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, slot_stride, flag_stride, me, W,
                  BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """push="kernel": program (j, i) puts row tiles i, i + P, ... of the shard to the member that reads it at
-    its step j + 1 and SETs that member's flag of each tile (one flag per row tile)."""
+    its step j (j = 0: this member, at distance 0) and SETs that member's flag of each tile (one per row tile)."""
     if PDL:  # the GEMM, launched as its dependent, may start once every program of this grid has
         tl.extra.cuda.gdc_launch_dependents()
-    dest = (me + W - 1 - tl.program_id(0)) % W  # team index; it reads this shard at its step program_id(0) + 1
+    dest = (me + W - tl.program_id(0)) % W  # team index; it reads this shard at its step program_id(0)
     dest_pe = tl.load(pes_ptr + dest)
     slot = gather_ptr + tl.cast(me, tl.int64) * slot_stride
     for tile in range(tl.program_id(1), tl.cdiv(m, BLOCK_M), tl.num_programs(1)):
@@ -113,32 +118,27 @@ def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, 
 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
-def _gemm_kernel(a_ptr, gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, stride_am, stride_gm, slot_stride,
-                 flag_stride, stride_b, stride_cm, BLOCK_M: tl.constexpr,
+def _gemm_kernel(gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, first_step, stride_gm, slot_stride,
+                 flag_stride, flag_rows, stride_b, stride_cm, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr,
                  PDL: tl.constexpr):
+    """C's rows of shards me + first_step, me + first_step + 1, ... (mod W), read from the gather buffer, each
+    tile once the flag of its rows (flag_rows rows per flag) holds the call's epoch."""
+    a_desc = desc3(gather_ptr, W, m, K, slot_stride, stride_gm, BLOCK_M, BLOCK_K)  # every slot, made once
     # one group: any aligned group stride will do
     b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
     c_desc = c_desc3(c_ptr, W, m, N, tl.cast(m, tl.int64) * stride_cm, stride_cm, BLOCK_M, BLOCK_N // EPILOGUE_SPLIT,
                      C_TMA)
     tiles_m = tl.cdiv(m, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), W * tiles_m * tiles_n, tl.num_programs(0)):
-        step = tile // (tiles_m * tiles_n)
-        src = (me + step) % W
+    for tile in range(tl.program_id(0), (W - first_step) * tiles_m * tiles_n, tl.num_programs(0)):
+        src = (me + first_step + tile // (tiles_m * tiles_n)) % W
         pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
-        if step == 0:  # own shard, in place
-            a_src = a_ptr
-            stride = stride_am
-        else:
-            tok = tcl.wait(flags_ptr + src * flag_stride + pid_m, epoch, tcl.CMP_GE)  # the push's flag of this row tile
-            g = proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the peer's stores
-            a_src = gather_ptr + g.to(tl.int64) * slot_stride
-            stride = stride_gm
-        # one descriptor per tile (the source changes with the step): one main loop, one set of buffers
-        a_desc = desc3(a_src, 1, m, K, tl.cast(m, tl.int64) * stride, stride, BLOCK_M, BLOCK_K)
-        acc = tile_product(a_desc, 0, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+        flag = flags_ptr + src * flag_stride + pid_m * BLOCK_M // flag_rows
+        tok = tcl.wait(flag, epoch, tcl.CMP_GE)  # the push's flag of these rows
+        g = proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the pushed data
+        acc = tile_product(a_desc, g, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                            B_TRANS, PRECISION)
         store_tile(c_desc, src, c_ptr + tl.cast(src, tl.int64) * m * stride_cm, stride_cm, m, N, acc,
                    pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
@@ -217,58 +217,48 @@ def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team) 
             stream_ops.write_word(ws.peer_flags[dest][me * flag_stride], epoch, ws.stream)
 
 
-def _gemm_by_shard(a_shard: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ws: AgGemmWorkspace, epoch: int,
-                   team) -> None:
-    """push="copy", on the caller's stream: the own shard's rows of C (torch.mm: cuBLAS), then shard me+1, me+2,
-    ... in turn, each behind a one-program kernel that waits for the shard's flag (team.wait_word)."""
-    (m, K), W, me = a_shard.shape, team.size, team.index
-    g = ws.gather[epoch % 2]
-    flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
-    torch.mm(a_shard, b, out=c[me * m:(me + 1) * m])
-    for step in range(1, W):
-        src = (me + step) % W
-        wait_word(ws.flags, src * flag_stride, epoch)
-        torch.mm(g[src, :m, :K], b, out=c[src * m:(src + 1) * m])
-
-
 def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
-    """The push and the GEMM of one call (module docstring): the copies first, then the per-shard GEMMs; or the
-    push kernel, then the fused GEMM."""
-    side_stream = ws.stream is not None and team.size > 1 and not (ws.push == "kernel" and ws.pdl)
+    """The push and the GEMMs of one call (module docstring). The push goes on the workspace's stream, after
+    what the caller queued, except a PDL push and a call with no other member (there it goes first on the
+    caller's stream)."""
+    (m, K), W, me = a_shard.shape, team.size, team.index
+    pdl = ws.push == "kernel" and ws.pdl
+    side_stream = ws.stream is not None and W > 1 and not pdl
     if side_stream:
-        ws.queued.record(torch.cuda.current_stream(a_shard.device))  # the push after what the caller queued
+        ws.queued.record(torch.cuda.current_stream(a_shard.device))
         ws.stream.wait_event(ws.queued)
+    g = ws.gather[epoch % 2]
+    a, _ = tma_operand(a_shard)
+    first_step = 1 if ws.push == "copy" else 0
+    cfg = resolve_config(config, max(W - first_step, 1) * m, b.shape[1], a.dtype, a.device,
+                         lambda cfg: matmul(a, b, cfg))
     if ws.push == "copy":
         _push_by_copy(a_shard, ws, epoch, team)
-        _gemm_by_shard(a_shard, b, c, ws, epoch, team)
+        torch.mm(a_shard, b, out=c[me * m:(me + 1) * m])  # cuBLAS, while the first copies land
+        flag_rows = m  # one flag per shard
     else:
-        _launch_kernels(a_shard, b, c, ws, epoch, team, config)
+        with torch.cuda.stream(ws.stream) if side_stream else contextlib.nullcontext():
+            _PUSH.launch((W, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M, pdl), a_shard, g,
+                         ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), cdiv(ws.max_rows, MIN_BLOCK_M),
+                         me, W, BLOCK_M=cfg.BLOCK_M, PDL=pdl)
+        flag_rows = cfg.BLOCK_M  # one flag per row tile
+    if W > first_step:
+        _launch_gemm(g, b, c, ws, epoch, team, cfg, first_step, flag_rows, pdl)
     if side_stream:  # the caller's stream past the push (a_shard is free once it has been copied)
         ws.pushed.record(ws.stream)
         torch.cuda.current_stream(a_shard.device).wait_event(ws.pushed)
         a_shard.record_stream(ws.stream)
 
 
-def _launch_kernels(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
-    """push="kernel": the push kernel (as the GEMM's PDL primary on this stream, or on the workspace's stream),
-    then the fused GEMM. The push must start first: the persistent GEMM would hold every SM, on every member,
-    and none could push."""
-    (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
-    g = ws.gather[epoch % 2]
-    flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
-    a, _ = tma_operand(a_shard)
+def _launch_gemm(g, b, c, ws: AgGemmWorkspace, epoch: int, team, cfg, first_step: int, flag_rows: int,
+                 pdl: bool) -> None:
+    """The persistent GEMM over shards me + first_step, ... from the gather buffer g [W, max_rows, K']."""
+    N, W, m, K = b.shape[1], team.size, c.shape[0] // team.size, ws.K
     bt, b_trans = tma_operand(b, allow_trans=True)
-    cfg = resolve_config(config, W * m, N, a.dtype, a.device, lambda cfg: matmul(a, b, cfg))
-    pdl = W > 1 and ws.pdl
-    if W > 1:
-        with torch.cuda.stream(ws.stream) if ws.stream is not None and not pdl else contextlib.nullcontext():
-            _PUSH.launch((W - 1, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M, pdl), a_shard,
-                         g, ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), flag_stride, me, W,
-                         BLOCK_M=cfg.BLOCK_M, PDL=pdl)
-    launch_gemm(_GEMM, W * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, a, g, bt, c, ws.flags, epoch, m, N, K,
-                me, W, a.stride(0), g.stride(1), g.stride(0), flag_stride, bt.stride(0), c.stride(0), B_TRANS=b_trans,
-                C_TMA=c.stride(0) * c.element_size() % 16 == 0, PRECISION=dot_precision(a.dtype), PDL=pdl,
-                **({"launch_pdl": True} if pdl else {}))
+    launch_gemm(_GEMM, (W - first_step) * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, g, bt, c, ws.flags,
+                epoch, m, N, K, team.index, W, first_step, g.stride(1), g.stride(0), cdiv(ws.max_rows, MIN_BLOCK_M),
+                flag_rows, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=c.stride(0) * c.element_size() % 16 == 0,
+                PRECISION=dot_precision(g.dtype), PDL=pdl, **({"launch_pdl": True} if pdl else {}))
 
 
 def ag_gemm_reference(a_shard: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

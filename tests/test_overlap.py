@@ -30,9 +30,9 @@ def _rand(shape, seed, dtype):
 def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False):
     rank = tilecomm.rank()
     module = importlib.import_module("tilecomm.overlap.ag_gemm")  # (the package binds a function of that name)
-    wait_word = module.wait_word
+    launch_gemm = module.launch_gemm
     if slow_wait and rank == 0:  # rank 0 reads late: the others' next call must not overwrite what it reads
-        module.wait_word = lambda *args: (time.sleep(0.3), wait_word(*args))
+        module.launch_gemm = lambda *args, **kw: (time.sleep(0.3), launch_gemm(*args, **kw))
     # the copy engine pushes where every peer's heap is mapped (CPU ranks, GPUs over NVLink), not through NVSHMEM
     nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
     if push == "copy" and nvshmem:
@@ -49,7 +49,7 @@ def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False):
         if call % 2:  # a column-major b (a transposed weight) is read in place
             b = b.t().contiguous().t()
         calls_made.append((a, b, *ag_gemm(a, b, return_gathered=True, workspace=ws)))
-    module.wait_word = wait_word
+    module.launch_gemm = launch_gemm
     for call, (a, b, c, gathered) in enumerate(calls_made):
         full = torch.cat([t.double() for t in gather_all(a)])
         assert torch.equal(gathered.cpu(), full.to(dtype)), "gathered A differs"
@@ -66,7 +66,7 @@ def test_ag_gemm(ranks, world, dtype):
     ranks(world).run(ag_gemm_body, 19, 23, 37, dtype, 2)  # odd sizes: rows, K, n multiples of no tile
 
 
-@pytest.mark.parametrize("world,push", [(3, "kernel"), (2, "copy"), (4, "copy")])
+@pytest.mark.parametrize("world,push", [(1, "kernel"), (3, "kernel"), (1, "copy"), (2, "copy"), (4, "copy")])
 def test_ag_gemm_push_modes(ranks, world, push):
     """Both pushes over 4 calls (the gather buffer's two halves each reused), 70 rows: several row tiles."""
     ranks(world).run(ag_gemm_body, 70, 16, 24, torch.float32, 4, push)
