@@ -47,6 +47,8 @@
 #          kernels and the GPU's idle time, per NormalConfig variant (DISPATCH_WORLD_CONFIGS) -> $OUT/dispatch_world.log
 #   a2aengine  tests/a2a_engine_probe.py: one all_to_all's bytes by the copy engine (one stream, a stream per peer,
 #          split) beside tilecomm's and NCCL's all_to_all, link rates only (2+ GPUs) -> $OUT/a2a_engine.log
+#   copyprobe  tests/copy_push_probe.py: ag_gemm / gemm_rs with the copy push beside cuBLAS's whole GEMM, its row blocks
+#          alone, the op with its copies skipped, and the host's µs per call (2+ GPUs) -> $OUT/copy_push_probe.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -125,6 +127,11 @@ fi
 if has a2aengine && [ "$NGPU" -ge 2 ]; then
   timeout "${A2A_ENGINE_TIMEOUT:-120}" torchrun --standalone --nproc-per-node "$NGPU" tests/a2a_engine_probe.py 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/a2a_engine.log" | grep -E "world|Error"
+fi
+
+if has copyprobe && [ "$NGPU" -ge 2 ]; then
+  timeout "${COPY_PROBE_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$NGPU" tests/copy_push_probe.py 2>&1 \
+    | sed -u "s/.*named symbol not found//" | tee "$OUT/copy_push_probe.log" | grep -E "world|Error"
 fi
 
 if has commprofile && [ "$NGPU" -ge 2 ]; then
