@@ -8,15 +8,18 @@ Two ways (`GemmRsWorkspace.push`, chosen as ag_gemm's push is: team.push_mode):
 "copy" (every member directly reachable: NVLink peers, CPU ranks). Block by block on the caller's stream,
 members me+1, me+2, ... and the own block last: the block's GEMM (torch.mm: cuBLAS) into a local stage, then
 the copy engine, on the workspace's stream, copies it into slot me of that member's symmetric recv buffer and
-writes the member's flag[me] = epoch behind it (a stream write, tilecomm.stream_ops); the own block goes
-straight into `out`. The copies run beside the next blocks' GEMMs and take no SM. Last, one kernel adds the
-other members' slots (fp32) to `out` once their flags hold the call's epoch. At W = 1 there is no other member,
-so no such kernel: the op is the GEMM, at cuBLAS's speed (issue 10's world-1 bar). The recv buffer is
-double-buffered by call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1 used:
-ag_gemm's argument, module docstring there). On 4 H200s the copy push took 1.14x / 1.07x the GEMM alone
-(8192x3584x4096 / 8192x7168x8192; most of the rest was a pass summing all W slots, which the add pass above
-replaced with the same traffic), where the fused kernel below took 1.37x / 1.15x, its tile stores over NVLink
-stalling the math (BENCHMARKS.md, 2026-11-27 from 17:52 UTC).
+writes the member's flag[me] = epoch behind it (a stream write, tilecomm.stream_ops). The copies run beside the
+next blocks' GEMMs and take no SM. The own block is the fused kernel below run over the own tiles only
+(FUSED_OWN_BLOCK): each tile's main loop, then a wait for every other member's flag, then their slots added
+(fp32) in the epilogue and the sum stored into `out`. The wait comes after the main loop (WAIT_LATE) because
+the block the last member computed for this rank is still on its way while the own block is computed: on 4 GPUs
+it lands ~45 µs into an ~80 µs block (8192x3584x4096), about when the first tiles reach their epilogue.
+(FUSED_OWN_BLOCK = False: cuBLAS's GEMM of the own block into `out`, then `_add_slots_kernel` adds the slots in
+a pass of its own: 1.14x / 1.07x the GEMM alone on 4 H200s for 8192x3584x4096 / 8192x7168x8192, the pass ~22 µs
+of the small shape's ~50 over the GEMM; BENCHMARKS.md, 2026-11-27 from 17:52 UTC.) At W = 1 there is nothing
+to add: the op is cuBLAS's GEMM. The recv buffer is double-buffered by call parity, so no copy waits for its
+reader (call e + 1 writes the half call e - 1 used: ag_gemm's argument, module docstring there). The fused
+kernel as the whole op (below) took 1.37x / 1.15x, its tile stores over NVLink stalling the math.
 
 "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping). One persistent kernel (the
 TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting with member me+1 and ending with its
@@ -141,12 +144,27 @@ def _set_flag(flags_ptr, me, flag_stride, t, epoch, owner_pe):
     tcl.signal(flags_ptr + me * flag_stride + t, epoch, owner_pe, tcl.SIGNAL_SET)
 
 
+@tilecomm.jit
+def _wait_parts(flags_ptr, me, W, flag_stride, index, epoch):
+    """Wait until every other member's flag word `index` holds the call's epoch; returns me, ordered after the
+    waits (what is read through it sees their data)."""
+    ready = me
+    for s in range(1, W):
+        tok = tcl.wait(flags_ptr + ((me + s) % W) * flag_stride + index, epoch, tcl.CMP_GE)
+        ready = tcl.consume_token(ready, tok).to(tl.int32)
+    return ready
+
+
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, mb, N, K, me, W,
-                    tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride,
+                    tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride, flag_tiles,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
-                    C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                    C_TMA: tl.constexpr, PRECISION: tl.constexpr, WAIT_LATE: tl.constexpr):
+    """Tiles tile_begin .. tile_end - 1 of the walk over owners me+1, me+2, ..., me (module docstring). A flag
+    covers flag_tiles tiles of one member's partial block (push="kernel": one tile; push="copy": the whole block,
+    flag[src] at flag_stride 1). WAIT_LATE: an own tile waits for the partial tiles after its main loop, not
+    before it (push="copy": the last member's block lands while the own block is being computed)."""
     # Register budget (a 128x256 fp32 accumulator is 128 of 255 registers per thread): the epilogue works on column
     # halves (HALF = BLOCK_N // 2; EPILOGUE_SPLIT is not used), own tiles read partial tiles by TMA when rows are
     # 16-byte aligned, pointer loads/stores go in quarters with int32 in-tile offsets, and no wait runs while the
@@ -179,15 +197,16 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
                 _set_flag(flags_ptr, me, flag_stride, pending, epoch, pending_pe)
                 pending = tl.full((), -1, tl.int32)
             parts = recv_ptr
-            for s in range(1, W):
-                tok = tcl.wait(flags_ptr + ((me + s) % W) * flag_stride + t, epoch, tcl.CMP_GE)
-                ready = tcl.consume_token(ready, tok).to(tl.int32)
+            if not WAIT_LATE:
+                ready = _wait_parts(flags_ptr, me, W, flag_stride, t // flag_tiles, epoch)
         else:  # the owner has finished reading the last call's slot
             tok = tcl.wait(consumed_ptr + owner, epoch - 1, tcl.CMP_GE)
             parts = tcl.consume_token(tcl.symm_at(recv_ptr, owner_pe), tok) + tl.cast(me, tl.int64) * slot_stride
         acc = tile_product(a_desc, owner, off_m, b_desc, 0, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS, PRECISION)
         c0, c1 = split_cols(acc, BLOCK_M, BLOCK_N)
         if owner == me:
+            if WAIT_LATE:
+                ready = _wait_parts(flags_ptr, me, W, flag_stride, t // flag_tiles, epoch)
             if C_TMA:  # partial tiles by TMA (pointer loads with their masks spilled registers)
                 g = proxy_fence(ready)  # TMA reads see the peers' stores
                 for s in range(1, W):
@@ -245,7 +264,8 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
     """This rank's [M/W, N] row block of the sum over `group`'s W ranks of a @ b (fp32 reduction of the
     partial tiles). b may be row- or column-major. workspace: a GemmRsWorkspace for this group, N and
     dtype (None: a temporary one, made and freed in the call; slower). config: the fused kernel's tiles
-    under push="kernel" (tiles.resolve_config; push="copy" runs cuBLAS).
+    (tiles.resolve_config): push="kernel" every tile, push="copy" the own block's (the other blocks
+    are cuBLAS's).
     Collective over the group (None: the world)."""
     what = "tilecomm.overlap.gemm_rs"
     team = _check(what, a, b, group, workspace)
@@ -256,7 +276,7 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
     if mb and N and K:  # (every member has the same shapes: the workspace compares the calls')
         epoch = ws.begin(("gemm_rs", M, K, N, str(a.dtype)))
         if ws.push == "copy":
-            _gemm_then_copy(a, b, out, ws, epoch, team)
+            _gemm_then_copy(a, b, out, ws, epoch, team, config)
         else:
             _launch(a, b, out, ws, epoch, team, config)
             release(ws, team)
@@ -287,13 +307,16 @@ def _add_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_st
 
 _ADD_SLOTS = CachedLaunch(_add_slots_kernel)
 _ADD_BLOCK = 4096  # elements per program of _add_slots_kernel
+# push="copy" at W > 1: the own block and the sum of the slots in the fused kernel (its own tiles, WAIT_LATE);
+# False: cuBLAS's GEMM of the own block, then _add_slots_kernel (module docstring)
+FUSED_OWN_BLOCK = True
 
 
-def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
+def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
     """push="copy" (module docstring): member d's block a[d rows] @ b into the stage, then by the copy engine
     into slot me of d's recv (this call's parity) with d's flag[me] written behind it, members me + 1, me + 2,
-    ... in turn; the own block straight into out; then the other members' slots added to it (none at W = 1: the
-    own block is the whole sum)."""
+    ... in turn; then the own block and the other members' slots summed into out (FUSED_OWN_BLOCK: in the fused
+    kernel's own tiles; else cuBLAS, then the add pass; at W = 1 the own block is the whole sum)."""
     (M, _), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb, parity = M // W, epoch % 2
     slot_bytes = ws.max_rows * N * a.element_size()
@@ -308,8 +331,12 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
         ws.issuer.copy(ws.peer_recv_addr[d] + (parity * W + me) * slot_bytes, block.data_ptr(),
                        mb * N * a.element_size())
         ws.issuer.write(ws.peer_flags_addr[d] + 8 * me, epoch)
-    torch.mm(a[me * mb:(me + 1) * mb], b, out=out)
-    if W > 1:
+    if W == 1:  # nothing to add: the own block is the whole sum
+        torch.mm(a, b, out=out)
+    elif FUSED_OWN_BLOCK:
+        _launch(a, b, out, ws, epoch, team, config, own_only=True)
+    else:
+        torch.mm(a[me * mb:(me + 1) * mb], b, out=out)
         _ADD_SLOTS.launch_keyed((cdiv(mb * N, _ADD_BLOCK),), ws.recv[parity], out, ws.flags, epoch, me, W, mb * N,
                                 ws.max_rows * N, BLOCK=_ADD_BLOCK)
     if main is not None:  # the stage is free again (and the caller's stream past this call) once the copies are
@@ -317,23 +344,31 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team) -> None:
         main.wait_event(ws.pushed)
 
 
-def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
+def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config, own_only: bool = False) -> None:
+    """The fused kernel: push="kernel", every tile (module docstring); own_only (push="copy"), the own block's
+    tiles, each adding the other members' slots of this call's parity (one flag per member) after its main
+    loop."""
     (M, K), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb = M // W
     a_t, _ = tma_operand(a)
     bt, b_trans = tma_operand(b, allow_trans=True)
     cfg = resolve_config(config, mb, N, a.dtype, a.device, lambda cfg: matmul(a_t[:mb], b, cfg))
     per_owner = cdiv(mb, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
-    flag_stride = cdiv(ws.max_rows, MIN_BLOCK) * cdiv(N, MIN_BLOCK)
-    # GPUs: one launch over every tile; CPU ranks: peer tiles, then own tiles (see the module docstring)
-    ranges = [(0, W * per_owner)] if a.is_cuda else [(0, (W - 1) * per_owner), ((W - 1) * per_owner, W * per_owner)]
-    recv = ws.recv
+    if own_only:
+        recv, flag_stride, flag_tiles, consumed = ws.recv[epoch % 2], 1, per_owner, ws.flags  # (consumed: unread)
+        ranges = [((W - 1) * per_owner, W * per_owner)]
+    else:
+        recv, flag_tiles, consumed = ws.recv, 1, ws.consumed
+        flag_stride = cdiv(ws.max_rows, MIN_BLOCK) * cdiv(N, MIN_BLOCK)
+        # GPUs: one launch over every tile; CPU ranks: peer tiles, then own tiles (see the module docstring)
+        own = ((W - 1) * per_owner, W * per_owner)
+        ranges = [(0, W * per_owner)] if a.is_cuda else [(0, own[0]), own]
     for begin, end in ranges:
         if end > begin:
-            launch_gemm(_GEMM_RS, end - begin, cfg, a_t, bt, out, recv, ws.flags, ws.consumed, team.pes, epoch,
+            launch_gemm(_GEMM_RS, end - begin, cfg, a_t, bt, out, recv, ws.flags, consumed, team.pes, epoch,
                         mb, N, K, me, W, begin, end, a_t.stride(0), bt.stride(0), out.stride(0), recv.stride(0),
-                        flag_stride, B_TRANS=b_trans, C_TMA=out.stride(0) * out.element_size() % 16 == 0,
-                        PRECISION=dot_precision(a.dtype))
+                        flag_stride, flag_tiles, B_TRANS=b_trans, C_TMA=out.stride(0) * out.element_size() % 16 == 0,
+                        PRECISION=dot_precision(a.dtype), WAIT_LATE=own_only)
 
 
 def gemm_rs_reference(a: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

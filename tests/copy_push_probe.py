@@ -8,10 +8,12 @@ ranks of each rank's median, as the bench times them):
   fused       the op with its workspace (push="copy")
   no copies   the same with the copy engine's copies skipped (flags still written: the result is wrong, the
               GEMMs and waits are the op's): fused - no copies = what the copies cost the GEMMs
+  cuBLAS+add  gemm_rs only: the own block as cuBLAS's GEMM and a separate add pass (gemm_rs.FUSED_OWN_BLOCK = False)
   host        µs the host takes to issue one call (20 calls, no synchronize between): above the GPU's time the
               op is host-bound
 Not a test: the bench checks the results.
 """
+import importlib
 import os
 import statistics
 import time
@@ -22,6 +24,8 @@ import torch.distributed as dist
 import tilecomm
 from tilecomm.bench.collectives import RunConfig, _time_us
 from tilecomm.bench.overlap import _gpu_shapes, _problem
+
+rs = importlib.import_module("tilecomm.overlap.gemm_rs")  # (the package binds a function of that name)
 
 
 def _host_us(fn, calls=20):
@@ -68,6 +72,10 @@ def main():
                 ws.issuer.copy = lambda *args: None  # the copies skipped, the flags still written
                 times["no copies"] = _time_us(fns["fused"], cfg, True)
                 ws.issuer.copy = copy
+                if op == "gemm_rs":  # the own block as cuBLAS's GEMM and an add pass (gemm_rs.FUSED_OWN_BLOCK)
+                    rs.FUSED_OWN_BLOCK = False
+                    times["cuBLAS+add"] = _time_us(fns["fused"], cfg, True)
+                    rs.FUSED_OWN_BLOCK = True
                 torch.cuda.synchronize()
                 dist.barrier()
                 every = [None] * W

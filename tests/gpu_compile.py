@@ -38,6 +38,7 @@ I64P, I64 = "*i64", "i64"
 GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_SPLIT": 2, "WARP_SPECIALIZE": False,
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
+LABELLED = ("WAIT_LATE",)  # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
 # grouped's weight-gradient kernels: GEMM's constexprs but B_TRANS and WARP_SPECIALIZE, and the accumulator type
 WGRAD = dict({k: v for k, v in GEMM.items() if k not in ("B_TRANS", "WARP_SPECIALIZE")}, ACC=triton.language.float32)
 WGRAD_SIG = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
@@ -82,7 +83,14 @@ CASES = [
                           "flags_ptr": I64P, "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32",
                           "N": "i32", "K": "i32", "me": "i32", "W": "i32", "tile_begin": "i32", "tile_end": "i32",
                           "stride_am": "i32", "stride_b": "i32", "stride_om": "i32", "slot_stride": I64,
-                          "flag_stride": "i32", **GEMM_SIG}, GEMM),
+                          "flag_stride": "i32", "flag_tiles": "i32", **GEMM_SIG, "WAIT_LATE": "constexpr"},
+     dict(GEMM, WAIT_LATE=False)),
+    (rs._gemm_rs_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16",
+                          "flags_ptr": I64P, "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32",
+                          "N": "i32", "K": "i32", "me": "i32", "W": "i32", "tile_begin": "i32", "tile_end": "i32",
+                          "stride_am": "i32", "stride_b": "i32", "stride_om": "i32", "slot_stride": I64,
+                          "flag_stride": "i32", "flag_tiles": "i32", **GEMM_SIG, "WAIT_LATE": "constexpr"},
+     dict(GEMM, WAIT_LATE=True)),
     (rs._add_slots_kernel, {"recv_ptr": "*bf16", "out_ptr": "*bf16", "flags_ptr": I64P, "epoch": I64, "me": "i32",
                             "W": "i32", "numel": "i32", "slot_stride": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),
     (gr._rows_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
@@ -156,8 +164,10 @@ def main() -> None:
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         kernel = triton.compile(src, target=target, options=options)
         ptx = kernel.asm["ptx"]
+        # a variant compiled beside the kernel's main case is named by its flag (LABELLED)
+        label = "".join(f"+{k}" for k in LABELLED if consts.get(k))
         print(json.dumps({
-            "kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", "cubin_bytes": len(kernel.asm["cubin"]),
+            "kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}{label}", "cubin_bytes": len(kernel.asm["cubin"]),
             "release_sys_atomic": "sys.release" in ptx, "acquire_sys": "sys.acquire" in ptx or "ld.acquire.sys" in ptx,
             "globaltimer": "%globaltimer" in ptx, "nvshmem_calls": "nvshmem" in ptx,
             "state_addr_inlined": str(0x7F0000001000) in ptx, "wgmma": "wgmma" in ptx,

@@ -89,12 +89,14 @@ class _SlowLaunch:
         self.inner.launch_keyed(*args, **kwargs)
 
 
-def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False):
+def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=True):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     module = importlib.import_module("tilecomm.overlap.gemm_rs")
-    add_slots = module._ADD_SLOTS
+    add_slots, launch_gemm = module._ADD_SLOTS, module.launch_gemm
+    module.FUSED_OWN_BLOCK = fused_own  # the copy push's two forms of the own block (its GEMM and the slots' sum)
     if slow_add and rank == 0:  # rank 0 adds late: the others' next call must not overwrite what it reads
         module._ADD_SLOTS = _SlowLaunch(add_slots, 0.3)
+        module.launch_gemm = lambda *args, **kw: (time.sleep(0.3), launch_gemm(*args, **kw))
     nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
     if push == "copy" and nvshmem:
         with pytest.raises(ValueError, match="push='copy' is not available on rank 0: TILECOMM_TRANSPORT=nvshmem"):
@@ -114,7 +116,7 @@ def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False):
         want = sum(parts)[rank * mb:(rank + 1) * mb]
         err = _rel(out, want)
         assert out.shape == (mb, N) and err < TOL[dtype], f"call {call}: rel err {err}"
-    module._ADD_SLOTS = add_slots
+    module._ADD_SLOTS, module.launch_gemm, module.FUSED_OWN_BLOCK = add_slots, launch_gemm, True
     ws.free()
 
 
@@ -131,10 +133,12 @@ def test_gemm_rs_push_modes(ranks, world, push):
     ranks(world).run(gemm_rs_body, 13, 19, 22, torch.float32, 5, push)
 
 
-def test_gemm_rs_copy_slow_reader(ranks):
+@pytest.mark.parametrize("fused_own", [True, False], ids=["fused own block", "cuBLAS and add pass"])
+def test_gemm_rs_copy_slow_reader(ranks, fused_own):
     """push="copy" with rank 0 adding its peers' blocks late in every call: its peers run ahead into their next call, whose
-    copies go to the other half of its recv buffer (one half for every call failed this test)."""
-    ranks(3).run(gemm_rs_body, 13, 19, 22, torch.float32, 4, "copy", True)
+    copies go to the other half of its recv buffer (one half for every call failed this test). Both forms of the own
+    block; 37 x 50 outputs: several row and column tiles (16 x 16 on CPU ranks)."""
+    ranks(3).run(gemm_rs_body, 37, 19, 50, torch.float32, 4, "copy", True, fused_own)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
