@@ -9,17 +9,19 @@ Two ways (`GemmRsWorkspace.push`, chosen as ag_gemm's push is: team.push_mode):
 members me+1, me+2, ... and the own block last: the block's GEMM (torch.mm: cuBLAS) into a local stage, then
 the copy engine, on the workspace's stream, copies it into slot me of that member's symmetric recv buffer and
 writes the member's flag[me] = epoch behind it (a stream write, tilecomm.stream_ops). The copies run beside the
-next blocks' GEMMs and take no SM. The own block is the fused kernel below run over the own tiles only
-(FUSED_OWN_BLOCK): each tile's main loop, then a wait for every other member's flag, then their slots added
-(fp32) in the epilogue and the sum stored into `out`. The wait comes after the main loop (WAIT_LATE) because
-the block the last member computed for this rank is still on its way while the own block is computed: on 4 GPUs
-it lands ~45 µs into an ~80 µs block (8192x3584x4096), about when the first tiles reach their epilogue.
-(FUSED_OWN_BLOCK = False: cuBLAS's GEMM of the own block into `out`, then `_add_slots_kernel` adds the slots in
-a pass of its own: 1.14x / 1.07x the GEMM alone on 4 H200s for 8192x3584x4096 / 8192x7168x8192, the pass ~22 µs
-of the small shape's ~50 over the GEMM; BENCHMARKS.md, 2026-11-27 from 17:52 UTC.) At W = 1 there is nothing
-to add: the op is cuBLAS's GEMM. The recv buffer is double-buffered by call parity, so no copy waits for its
-reader (call e + 1 writes the half call e - 1 used: ag_gemm's argument, module docstring there). The fused
-kernel as the whole op (below) took 1.37x / 1.15x, its tile stores over NVLink stalling the math.
+next blocks' GEMMs and take no SM. Then the own block's GEMM (cuBLAS) goes straight into `out`, and one kernel
+(`_add_slots_kernel`) adds the other members' slots (fp32) once their flags hold the call's epoch: on 4 H200s
+1.14x / 1.07x the GEMM alone for 8192x3584x4096 / 8192x7168x8192, the add pass ~22 µs of the small shape's ~50
+over the GEMM (BENCHMARKS.md, 2026-11-27 from 17:52 UTC). With FUSED_OWN_BLOCK the own block is instead the fused
+kernel below run over the own tiles only: each tile's main loop, then a wait for every member's flag (WAIT_LATE:
+the block the last member computed for this rank is still on its way while the own block is computed), then
+the slots added in the epilogue and the sum stored into `out`. On 2 H200s that was slower (402.2 µs against
+372.9 for 8192x3584x4096: the peer's 33.5 MB block lands ~90 µs into the own block, so the first tiles wait;
+2026-11-27 from 19:26 UTC); at W = 4 the block is half that and lands about when the first tiles reach their
+epilogue (not measured there yet). At W = 1 there is nothing to add: the op is cuBLAS's GEMM. The recv buffer is
+double-buffered by call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1 used:
+ag_gemm's argument, module docstring there). The fused kernel as the whole op (below) took 1.37x / 1.15x, its
+tile stores over NVLink stalling the math.
 
 "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping). One persistent kernel (the
 TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting with member me+1 and ending with its
@@ -307,9 +309,10 @@ def _add_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_st
 
 _ADD_SLOTS = CachedLaunch(_add_slots_kernel)
 _ADD_BLOCK = 4096  # elements per program of _add_slots_kernel
-# push="copy" at W > 1: the own block and the sum of the slots in the fused kernel (its own tiles, WAIT_LATE);
-# False: cuBLAS's GEMM of the own block, then _add_slots_kernel (module docstring)
-FUSED_OWN_BLOCK = True
+# push="copy" at W > 1: True: the own block and the sum of the slots in the fused kernel (its own tiles,
+# WAIT_LATE); False: cuBLAS's GEMM of the own block, then _add_slots_kernel (module docstring; the faster one
+# measured, on 2 H200s: 372.9 µs against 402.2 for 8192x3584x4096, BENCHMARKS.md 2026-11-27 from 19:26 UTC)
+FUSED_OWN_BLOCK = False
 
 
 def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:

@@ -89,10 +89,10 @@ class _SlowLaunch:
         self.inner.launch_keyed(*args, **kwargs)
 
 
-def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=True):
+def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=False):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     module = importlib.import_module("tilecomm.overlap.gemm_rs")
-    add_slots, launch_gemm = module._ADD_SLOTS, module.launch_gemm
+    add_slots, launch_gemm, fused_default = module._ADD_SLOTS, module.launch_gemm, module.FUSED_OWN_BLOCK
     module.FUSED_OWN_BLOCK = fused_own  # the copy push's two forms of the own block (its GEMM and the slots' sum)
     if slow_add and rank == 0:  # rank 0 adds late: the others' next call must not overwrite what it reads
         module._ADD_SLOTS = _SlowLaunch(add_slots, 0.3)
@@ -116,7 +116,7 @@ def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=
         want = sum(parts)[rank * mb:(rank + 1) * mb]
         err = _rel(out, want)
         assert out.shape == (mb, N) and err < TOL[dtype], f"call {call}: rel err {err}"
-    module._ADD_SLOTS, module.launch_gemm, module.FUSED_OWN_BLOCK = add_slots, launch_gemm, True
+    module._ADD_SLOTS, module.launch_gemm, module.FUSED_OWN_BLOCK = add_slots, launch_gemm, fused_default
     ws.free()
 
 
