@@ -168,7 +168,8 @@ fi
 if has tests; then
   # SIGINT at TEST_TIMEOUT: pytest stops and still prints the tracebacks of the failures so far
   # one GPU: ranks share it (2-4 ranks); more GPUs: one rank per GPU, cases with more ranks skipped (on 2 H100s,
-  # 3 ranks sharing 2 GPUs stalled in the first such test, 2026-11-25); TEST_SHARE=1 shares anyway
+  # 3 ranks sharing 2 GPUs stalled in the first such test, 2026-11-25, and again on 2 H200s, 2026-11-27, while 4 ranks
+  # two per GPU passed); TEST_SHARE=1 shares anyway. TEST_WORKERS > 1 shares unless TEST_SHARE=0: on 2 GPUs pass it
   share=${TEST_SHARE:-$([ "$NGPU" -eq 1 ] || [ "${TEST_WORKERS:-1}" -gt 1 ] && echo 1 || echo 0)}
   gpu_tests() {  # one transport: the tail of its log
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
