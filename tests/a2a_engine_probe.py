@@ -11,6 +11,9 @@ collectives; the reader's data is not checked beyond the first call):
 - `ce split S`: each chunk cut in S pieces, issued piece by piece round-robin over the destinations on one stream;
 - `sm all peers`: one kernel of W x P programs (P = 2 per SM / W), P of them per destination, each tcl.put of
   its slice (SM stores over NVLink): every GPU writes to every peer at once, as tilecomm's all_to_all does;
+- `sm tma RxC [P/2]`: one kernel of W x P programs (or half as many), P per destination, each moving R x C tiles by
+  TMA: a tensor-descriptor load from its src, a store through a descriptor on the destination's heap address (the
+  bulk-copy unit writing over NVLink, as DeepEP's intranode kernels do), every peer at once;
 - `sm phased`: W kernels of W x P programs, kernel k all to destination me + k (a permutation at each step, as
   the copy engine's one-stream way; no handshake between steps, so ranks may drift);
 - `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors / on ordinary tensors (SM stores,
@@ -26,6 +29,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm.overlap.tiles import prepare_tma
 from tilecomm.stream_ops import StreamIssuer
 
 SHAPES = [(4096, 7168), (128, 7168)]
@@ -41,6 +45,24 @@ def _put_kernel(out_ptr, src_ptr, part, me, W, FIRST_K):
     n = tl.minimum(per, part - lo)
     if n > 0:
         tcl.put(out_ptr + tl.cast(me, tl.int64) * part + lo, src_ptr + tl.cast(d, tl.int64) * part + lo, n, d)
+
+
+@tilecomm.jit
+def _tma_put_kernel(out_ptr, src_ptr, part_rows, cols, me, W, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (i, q): tiles q, q + P, ... of my chunk for destination d = (me + i) % W, each a TMA load from my src
+    and a TMA store through a descriptor on d's out (its heap address as mapped here), at row block me."""
+    d = (me + tl.program_id(0)) % W
+    dst = tcl.symm_at(out_ptr, d) + tl.cast(me, tl.int64) * part_rows * cols
+    src = src_ptr + tl.cast(d, tl.int64) * part_rows * cols
+    src_desc = tl.make_tensor_descriptor(src, [part_rows, cols], [cols, 1], [BLOCK_R, BLOCK_C])
+    dst_desc = tl.make_tensor_descriptor(dst, [part_rows, cols], [cols, 1], [BLOCK_R, BLOCK_C])
+    tiles_c = tl.cdiv(cols, BLOCK_C)
+    for t in range(tl.program_id(1), tl.cdiv(part_rows, BLOCK_R) * tiles_c, tl.num_programs(1)):
+        r = (t // tiles_c) * BLOCK_R
+        c = (t % tiles_c) * BLOCK_C
+        dst_desc.store([r, c], src_desc.load([r, c]))
+
+
 CALLS, RUNS = 10, 5
 
 
@@ -69,6 +91,7 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     tilecomm.init(heap_bytes=1 << 30)
+    prepare_tma()  # the scratch the TMA rows' in-kernel descriptors need
     world, me = dist.get_world_size(), dist.get_rank()
     streams = [torch.cuda.Stream() for _ in range(world)]
     for rows, cols in SHAPES:
@@ -115,11 +138,21 @@ def main():
         def sm_all_peers():
             _put_kernel[(world, programs // world)](out, src, part * cols, me, world, 0)
 
+        def sm_tma(block_r, programs_per_peer):
+            def call():
+                _tma_put_kernel[(world, programs_per_peer)](out, src, part, cols, me, world, BLOCK_R=block_r,
+                                                            BLOCK_C=128)
+            return call
+
         def sm_phased():
             for k in range(world):
                 _put_kernel[(1, programs)](out, src, part * cols, me, world, k)
 
-        ways = [("sm all peers", sm_all_peers, True), ("sm phased", sm_phased, True), ("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
+        ways = [("sm all peers", sm_all_peers, True), ("sm phased", sm_phased, True),
+                ("sm tma 32x128", sm_tma(32, programs // world), True),
+                ("sm tma 64x128", sm_tma(64, programs // world), True),
+                ("sm tma 32x128 P/2", sm_tma(32, programs // world // 2), True),
+                ("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
                 ("ce split 4", ce_split(4), True), ("ce split 16", ce_split(16), True),
                 ("tilecomm heap", lambda: tilecomm.all_to_all_single(out, src), True),
                 ("tilecomm", lambda: tilecomm.all_to_all_single(ordinary_out, x), False),
@@ -134,7 +167,7 @@ def main():
             ok = torch.equal(out if into_heap else ordinary_out, expect)
             us = _time(call)
             if me == 0:
-                print(f"world {world} {rows}x{cols}  {name:14s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
+                print(f"world {world} {rows}x{cols}  {name:18s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
                       f"NVLink per GPU  {'ok' if ok else 'WRONG'}", flush=True)
     tilecomm.finalize()
     dist.destroy_process_group()
