@@ -39,6 +39,11 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 LABELLED = ("WAIT_LATE",)  # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
+# gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
+RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
+          "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
+          "W": "i32", "tile_begin": "i32", "tile_end": "i32", "stride_am": "i32", "stride_b": "i32", "stride_om": "i32",
+          "slot_stride": I64, "flag_stride": "i32", "flag_tiles": "i32", **GEMM_SIG, "WAIT_LATE": "constexpr"}
 # grouped's weight-gradient kernels: GEMM's constexprs but B_TRANS and WARP_SPECIALIZE, and the accumulator type
 WGRAD = dict({k: v for k, v in GEMM.items() if k not in ("B_TRANS", "WARP_SPECIALIZE")}, ACC=triton.language.float32)
 WGRAD_SIG = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
@@ -79,18 +84,7 @@ CASES = [
                        "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32", "first_step": "i32",
                        "stride_gm": "i32", "slot_stride": I64, "flag_stride": "i32", "flag_rows": "i32",
                        "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG, "PDL": "constexpr"}, dict(GEMM, PDL=True)),
-    (rs._gemm_rs_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16",
-                          "flags_ptr": I64P, "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32",
-                          "N": "i32", "K": "i32", "me": "i32", "W": "i32", "tile_begin": "i32", "tile_end": "i32",
-                          "stride_am": "i32", "stride_b": "i32", "stride_om": "i32", "slot_stride": I64,
-                          "flag_stride": "i32", "flag_tiles": "i32", **GEMM_SIG, "WAIT_LATE": "constexpr"},
-     dict(GEMM, WAIT_LATE=False)),
-    (rs._gemm_rs_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16",
-                          "flags_ptr": I64P, "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32",
-                          "N": "i32", "K": "i32", "me": "i32", "W": "i32", "tile_begin": "i32", "tile_end": "i32",
-                          "stride_am": "i32", "stride_b": "i32", "stride_om": "i32", "slot_stride": I64,
-                          "flag_stride": "i32", "flag_tiles": "i32", **GEMM_SIG, "WAIT_LATE": "constexpr"},
-     dict(GEMM, WAIT_LATE=True)),
+    *((rs._gemm_rs_kernel, RS_SIG, dict(GEMM, WAIT_LATE=late)) for late in (False, True)),
     (rs._add_slots_kernel, {"recv_ptr": "*bf16", "out_ptr": "*bf16", "flags_ptr": I64P, "epoch": I64, "me": "i32",
                             "W": "i32", "numel": "i32", "slot_stride": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),
     (gr._rows_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
