@@ -225,20 +225,19 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     pdl = ws.push == "kernel" and ws.pdl
     side_stream = ws.stream is not None and W > 1 and not pdl
     if side_stream:
-        ws.queued.record(torch.cuda.current_stream(a_shard.device))
+        ws.queued.record(torch.cuda.current_stream(a_shard.device))  # the push after what the caller queued
         ws.stream.wait_event(ws.queued)
     g = ws.gather[epoch % 2]
-    a, _ = tma_operand(a_shard)
     first_step = 1 if ws.push == "copy" else 0
-    cfg = resolve_config(config, max(W - first_step, 1) * m, b.shape[1], a.dtype, a.device,
-                         lambda cfg: matmul(a, b, cfg))
+    cfg = resolve_config(config, max(W - first_step, 1) * m, b.shape[1], a_shard.dtype, a_shard.device,
+                         lambda cfg: matmul(a_shard, b, cfg))
     if ws.push == "copy":
         _push_by_copy(a_shard, ws, epoch, team)
         torch.mm(a_shard, b, out=c[me * m:(me + 1) * m])  # cuBLAS, while the first copies land
         flag_rows = m  # one flag per shard
     else:
         with torch.cuda.stream(ws.stream) if side_stream else contextlib.nullcontext():
-            _PUSH.launch((W, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a.dtype, cfg.BLOCK_M, pdl), a_shard, g,
+            _PUSH.launch((W, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a_shard.dtype, cfg.BLOCK_M, pdl), a_shard, g,
                          ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), cdiv(ws.max_rows, MIN_BLOCK_M),
                          me, W, BLOCK_M=cfg.BLOCK_M, PDL=pdl)
         flag_rows = cfg.BLOCK_M  # one flag per row tile

@@ -266,8 +266,8 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
     """This rank's [M/W, N] row block of the sum over `group`'s W ranks of a @ b (fp32 reduction of the
     partial tiles). b may be row- or column-major. workspace: a GemmRsWorkspace for this group, N and
     dtype (None: a temporary one, made and freed in the call; slower). config: the fused kernel's tiles
-    (tiles.resolve_config): push="kernel" every tile, push="copy" the own block's (the other blocks
-    are cuBLAS's).
+    (tiles.resolve_config): push="kernel" every tile; push="copy" runs cuBLAS (with FUSED_OWN_BLOCK, the
+    own block's tiles are the fused kernel's).
     Collective over the group (None: the world)."""
     what = "tilecomm.overlap.gemm_rs"
     team = _check(what, a, b, group, workspace)
