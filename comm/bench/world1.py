@@ -14,7 +14,7 @@ count, host overhead, host syncs, the parallelism of the copy loops. Each row pr
 
 Rows: all_to_all_single 4096×7168 and 128×7168 bf16 (ordinary tensors, and 4096×7168 with input and
 output from tilecomm.empty), all_gather_into_tensor / reduce_scatter_tensor 8192×8192 bf16 (ordinary and
-tilecomm.empty), tcl.put / tcl.get from a grid of programs (64 MiB), normal-mode dispatch / combine
+tilecomm.empty), tcl.put / tcl.get from a grid of programs (64 and 128 MiB), normal-mode dispatch / combine
 (4096 tokens × 7168, top-8 of 256 experts) and low-latency dispatch / combine (128 tokens). On CPU
 (--backend cpu) every row runs at toy sizes: a smoke test, not a measurement.
 """
@@ -33,8 +33,8 @@ from . import dispatch as dispatch_bench
 from . import measure
 
 _GPU = dict(rows=4096, small=128, hidden=7168, square=8192, tokens=4096, ll_tokens=128, experts=256, topk=8,
-            put_mib=64)
-_CPU = dict(rows=64, small=8, hidden=128, square=128, tokens=64, ll_tokens=8, experts=8, topk=2, put_mib=1)
+            put_mib=(64, 128))
+_CPU = dict(rows=64, small=8, hidden=128, square=128, tokens=64, ll_tokens=8, experts=8, topk=2, put_mib=(1,))
 PUT_SLICE = 1 << 16  # elements per program in the put/get rows
 
 
@@ -104,21 +104,22 @@ def _collective_rows(t: Table, s: dict, dtype: torch.dtype, dev: torch.device) -
         if symmetric:
             tilecomm.free(out)
             tilecomm.free(x)
-    n = s["put_mib"] * (1 << 20) // 4
-    n -= n % PUT_SLICE
-    src, dst = tilecomm.empty((n,), torch.float32), tilecomm.empty((n,), torch.float32)
-    src.copy_(torch.randn(n, device=dev))
-    floor_out = torch.empty_like(src)
-    grid = (n // PUT_SLICE,)
-    t.add(f"tcl.put grid of {grid[0]} programs, {n * 4 >> 20} MiB", lambda: _put_grid_kernel[grid](dst, src, SLICE=PUT_SLICE),
-          lambda: floor_out.copy_(src))
-    assert torch.equal(dst, src)
-    dst.zero_()
-    t.add(f"tcl.get grid of {grid[0]} programs, {n * 4 >> 20} MiB", lambda: _get_grid_kernel[grid](dst, src, SLICE=PUT_SLICE),
-          lambda: floor_out.copy_(src))
-    assert torch.equal(dst, src)
-    tilecomm.free(dst)
-    tilecomm.free(src)
+    for mib in s["put_mib"]:  # 64 MiB: the copy takes about as long as Triton's launch of the grid; 128: twice that
+        n = mib * (1 << 20) // 4
+        n -= n % PUT_SLICE
+        src, dst = tilecomm.empty((n,), torch.float32), tilecomm.empty((n,), torch.float32)
+        src.copy_(torch.randn(n, device=dev))
+        floor_out = torch.empty_like(src)
+        grid = (n // PUT_SLICE,)
+        t.add(f"tcl.put grid of {grid[0]} programs, {n * 4 >> 20} MiB",
+              lambda: _put_grid_kernel[grid](dst, src, SLICE=PUT_SLICE), lambda: floor_out.copy_(src))
+        assert torch.equal(dst, src)
+        dst.zero_()
+        t.add(f"tcl.get grid of {grid[0]} programs, {n * 4 >> 20} MiB",
+              lambda: _get_grid_kernel[grid](dst, src, SLICE=PUT_SLICE), lambda: floor_out.copy_(src))
+        assert torch.equal(dst, src)
+        tilecomm.free(dst)
+        tilecomm.free(src)
 
 
 def _host_profile(s: dict, dtype: torch.dtype, dev: torch.device) -> None:
