@@ -133,6 +133,13 @@ def test_gemm_rs_push_modes(ranks, world, push):
     ranks(world).run(gemm_rs_body, 13, 19, 22, torch.float32, 5, push)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemm_rs_copy_fused_own_block(ranks, world):
+    """push="copy" with FUSED_OWN_BLOCK: the own tiles wait after their main loop and add the slots by TMA (bf16,
+    N = 40: 16-byte rows), over 3 calls."""
+    ranks(world).run(gemm_rs_body, 17, 29, 40, torch.bfloat16, 3, "copy", False, True)
+
+
 @pytest.mark.parametrize("fused_own", [True, False], ids=["fused own block", "cuBLAS and add pass"])
 def test_gemm_rs_copy_slow_reader(ranks, fused_own):
     """push="copy" with rank 0 adding its peers' blocks late in every call: its peers run ahead into their next call, whose
