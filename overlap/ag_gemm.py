@@ -15,7 +15,9 @@ shard me+1, me+2, ..., each once its flag is set. Two ways (`AgGemmWorkspace.pus
   TMA GEMM (below) computes the W - 1 peer shards' rows, each tile once its shard's flag is set.
   Measured on 4 H200s (BENCHMARKS.md, 2026-11-27): feeding the fused GEMM all W shards (own one included) took
   the small shape 8192x4096x3584 to 1.19x cuBLAS, the large one to 1.07x; one cuBLAS GEMM per shard, each behind
-  a wait kernel, to 1.23x / 1.13x.
+  a wait kernel, to 1.23x / 1.13x. This form: 1.07x / 1.05x on 2 H200s, not yet measured on 4.
+  (OWN_SHARD_BY_CUBLAS = False: the copy engine also copies the own shard into its gather slot and the
+  persistent GEMM computes all W shards, for comparison.)
 * "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
   programs per member, tcl.put row by row and tcl.signal per row tile, puts the shard into every member's gather
   slot, its own included (a put at distance 0: the own shard takes the path a peer's does), and one persistent
@@ -60,6 +62,10 @@ from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, laun
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
 _PUSH_PROGRAMS = 8  # push="kernel": programs per peer
+# push="copy": True: the own shard's rows by cuBLAS, the persistent GEMM over the peer shards (module docstring);
+# False: the copy engine also copies the own shard into its gather slot and the persistent GEMM computes all W
+# shards (the form of 2026-11-27 before bc42dae, but for that local copy), for tests/copy_push_probe.py to compare
+OWN_SHARD_BY_CUBLAS = True
 
 
 class AgGemmWorkspace(OpWorkspace):
@@ -76,10 +82,10 @@ class AgGemmWorkspace(OpWorkspace):
         push = push_mode(push, team, "AgGemmWorkspace")  # (before any allocation: a bad push raises)
         self.K, self.dtype, self.max_rows, self.push = K, dtype, max_rows, push
         super().__init__(team, "tilecomm.overlap.ag_gemm", self.specs(K, dtype, max_rows, team.size))
-        # push="copy": every other member's gather buffer and flags, as local views of its heap
-        others = [i for i in range(team.size) if i != team.index] if push == "copy" else []
-        self.peer_gather = {i: tilecomm.peer(self.gather, team.ranks[i]) for i in others}
-        self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in others}
+        # push="copy": every member's gather buffer and flags (this rank's own too), as local views of its heap
+        members = range(team.size) if push == "copy" else []
+        self.peer_gather = {i: tilecomm.peer(self.gather, team.ranks[i]) for i in members}
+        self.peer_flags = {i: tilecomm.peer(self.flags, team.ranks[i]) for i in members}
         self.stream = torch.cuda.Stream(self.gather.device) if self.gather.is_cuda else None
         # the push's copies and flags by address (_push_by_copy), and the two events that order the streams
         self.issuer = stream_ops.StreamIssuer(self.gather.device, self.stream) if push == "copy" else None
@@ -197,16 +203,16 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = Fals
     return (c, gathered) if return_gathered else c
 
 
-def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team) -> None:
-    """Copy engine, on the workspace's stream: the shard into each other member's gather slot, in the order the
-    members read it, each copy followed by the member's flag (word 0 of this shard's flags). Unpadded rows (gather
-    row = K columns) go by address through ws.issuer, one memcpy per member; padded rows through torch's strided
-    copy_ into the peer's heap view."""
+def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, first_step: int) -> None:
+    """Copy engine, on the workspace's stream: the shard into the gather slot of the members that read it at steps
+    first_step, ..., W - 1 (step 0: this member), in that order, each copy followed by the member's flag (word 0
+    of this shard's flags). Unpadded rows (gather row = K columns) go by address through ws.issuer, one memcpy per
+    member; padded rows through torch's strided copy_ into the member's heap view."""
     (m, K), W, me = a_shard.shape, team.size, team.index
     flag_stride = cdiv(ws.max_rows, MIN_BLOCK_M)
     row = K * a_shard.element_size()  # bytes of a row in a_shard (contiguous) and, unpadded, in a slot
     slot_bytes = ws.max_rows * row  # (unpadded) one member's slot of the gather buffer [2, W, max_rows, K]
-    for step in range(1, W):
+    for step in range(first_step, W):
         dest = (me - step) % W  # reads this shard at its step `step`
         if ws.gather.shape[-1] == K:
             ws.issuer.copy(ws.peer_gather_addr[dest] + ((epoch % 2) * W + me) * slot_bytes, a_shard.data_ptr(), m * row)
@@ -219,21 +225,22 @@ def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team) 
 
 def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> None:
     """The push and the GEMMs of one call (module docstring). The push goes on the workspace's stream, after
-    what the caller queued, except a PDL push and a call with no other member (there it goes first on the
-    caller's stream)."""
+    what the caller queued, except a PDL push and a push kernel with no other member (those go first on the
+    caller's stream); a call with nothing to copy queues nothing there."""
     (m, K), W, me = a_shard.shape, team.size, team.index
     pdl = ws.push == "kernel" and ws.pdl
-    side_stream = ws.stream is not None and W > 1 and not pdl
+    first_step = 1 if ws.push == "copy" and OWN_SHARD_BY_CUBLAS else 0
+    side_stream = ws.stream is not None and not pdl and (W > 1 or first_step == 0 and ws.push == "copy")
     if side_stream:
         ws.queued.record(torch.cuda.current_stream(a_shard.device))  # the push after what the caller queued
         ws.stream.wait_event(ws.queued)
     g = ws.gather[epoch % 2]
-    first_step = 1 if ws.push == "copy" else 0
     cfg = resolve_config(config, max(W - first_step, 1) * m, b.shape[1], a_shard.dtype, a_shard.device,
                          lambda cfg: matmul(a_shard, b, cfg))
     if ws.push == "copy":
-        _push_by_copy(a_shard, ws, epoch, team)
-        torch.mm(a_shard, b, out=c[me * m:(me + 1) * m])  # cuBLAS, while the first copies land
+        _push_by_copy(a_shard, ws, epoch, team, first_step)
+        if first_step:
+            torch.mm(a_shard, b, out=c[me * m:(me + 1) * m])  # cuBLAS, while the first copies land
         flag_rows = m  # one flag per shard
     else:
         with torch.cuda.stream(ws.stream) if side_stream else contextlib.nullcontext():

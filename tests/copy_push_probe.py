@@ -8,8 +8,9 @@ ranks of each rank's median, as the bench times them):
   fused       the op with its workspace (push="copy")
   no copies   the same with the copy engine's copies skipped (flags still written: the result is wrong, the
               GEMMs and waits are the op's): fused - no copies = what the copies cost the GEMMs
-  fused own   gemm_rs only: the own block's other form (gemm_rs.FUSED_OWN_BLOCK flipped; "fused own": the fused
-              kernel's own tiles add the slots in their epilogue; "cuBLAS+add": cuBLAS, then an add pass)
+  FLAG=value  the op's other form: gemm_rs.FUSED_OWN_BLOCK (True: the fused kernel's own tiles add the slots in their
+              epilogue; False: cuBLAS, then an add pass) or ag_gemm.OWN_SHARD_BY_CUBLAS (False: the own shard copied
+              into its gather slot too and every shard through the persistent GEMM), flipped from its default
   host        µs the host takes to issue one call (20 calls, no synchronize between): above the GPU's time the
               op is host-bound
 Not a test: the bench checks the results.
@@ -26,7 +27,8 @@ import tilecomm
 from tilecomm.bench.collectives import RunConfig, _time_us
 from tilecomm.bench.overlap import _gpu_shapes, _problem
 
-rs = importlib.import_module("tilecomm.overlap.gemm_rs")  # (the package binds a function of that name)
+# (the package binds functions of these names)
+ag, rs = importlib.import_module("tilecomm.overlap.ag_gemm"), importlib.import_module("tilecomm.overlap.gemm_rs")
 
 
 def _host_us(fn, calls=20):
@@ -73,11 +75,12 @@ def main():
                 ws.issuer.copy = lambda *args: None  # the copies skipped, the flags still written
                 times["no copies"] = _time_us(fns["fused"], cfg, True)
                 ws.issuer.copy = copy
-                if op == "gemm_rs":  # the own block's other form (gemm_rs.FUSED_OWN_BLOCK)
-                    default = rs.FUSED_OWN_BLOCK
-                    rs.FUSED_OWN_BLOCK = not default
-                    times["fused own" if not default else "cuBLAS+add"] = _time_us(fns["fused"], cfg, True)
-                    rs.FUSED_OWN_BLOCK = default
+                # the own block's / shard's other form (gemm_rs.FUSED_OWN_BLOCK, ag_gemm.OWN_SHARD_BY_CUBLAS)
+                module, flag = (rs, "FUSED_OWN_BLOCK") if op == "gemm_rs" else (ag, "OWN_SHARD_BY_CUBLAS")
+                default = getattr(module, flag)
+                setattr(module, flag, not default)
+                times[f"{flag}={not default}"] = _time_us(fns["fused"], cfg, True)
+                setattr(module, flag, default)
                 torch.cuda.synchronize()
                 dist.barrier()
                 every = [None] * W

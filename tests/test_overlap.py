@@ -27,10 +27,11 @@ def _rand(shape, seed, dtype):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(dev())
 
 
-def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False):
+def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False, own_by_cublas=True):
     rank = tilecomm.rank()
     module = importlib.import_module("tilecomm.overlap.ag_gemm")  # (the package binds a function of that name)
-    launch_gemm = module.launch_gemm
+    launch_gemm, own_default = module.launch_gemm, module.OWN_SHARD_BY_CUBLAS
+    module.OWN_SHARD_BY_CUBLAS = own_by_cublas  # the copy push's two forms of the own shard
     if slow_wait and rank == 0:  # rank 0 reads late: the others' next call must not overwrite what it reads
         module.launch_gemm = lambda *args, **kw: (time.sleep(0.3), launch_gemm(*args, **kw))
     # the copy engine pushes where every peer's heap is mapped (CPU ranks, GPUs over NVLink), not through NVSHMEM
@@ -49,7 +50,7 @@ def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False):
         if call % 2:  # a column-major b (a transposed weight) is read in place
             b = b.t().contiguous().t()
         calls_made.append((a, b, *ag_gemm(a, b, return_gathered=True, workspace=ws)))
-    module.launch_gemm = launch_gemm
+    module.launch_gemm, module.OWN_SHARD_BY_CUBLAS = launch_gemm, own_default
     for call, (a, b, c, gathered) in enumerate(calls_made):
         full = torch.cat([t.double() for t in gather_all(a)])
         assert torch.equal(gathered.cpu(), full.to(dtype)), "gathered A differs"
@@ -72,10 +73,18 @@ def test_ag_gemm_push_modes(ranks, world, push):
     ranks(world).run(ag_gemm_body, 70, 16, 24, torch.float32, 4, push)
 
 
-def test_ag_gemm_copy_slow_reader(ranks):
+@pytest.mark.parametrize("own_by_cublas", [True, False], ids=["own shard by cuBLAS", "own shard copied"])
+def test_ag_gemm_copy_slow_reader(ranks, own_by_cublas):
     """push="copy" with rank 0 waiting late for every shard: its peers run ahead into their next call, whose
-    copies go to the other half of its gather buffer."""
-    ranks(3).run(ag_gemm_body, 21, 16, 24, torch.float32, 4, "copy", True)
+    copies go to the other half of its gather buffer. Both forms of the own shard."""
+    ranks(3).run(ag_gemm_body, 21, 16, 24, torch.float32, 4, "copy", True, own_by_cublas)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ag_gemm_copy_own_shard_copied(ranks, world):
+    """push="copy" with OWN_SHARD_BY_CUBLAS off: the own shard copied into its gather slot too, every shard
+    through the persistent GEMM; bf16 with K = 23 (padded gather rows: torch's strided copies)."""
+    ranks(world).run(ag_gemm_body, 19, 23, 37, torch.bfloat16, 3, "copy", False, False)
 
 
 class _SlowLaunch:
