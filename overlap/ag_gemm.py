@@ -3,9 +3,9 @@
     a_shard [m, K] on every member of the team (member r holds rows r*m ... (r+1)*m - 1 of A),
     b [K, n] -> C [W*m, n]; the team is a torch.distributed group (default: the world) of W ranks
 
-Member me puts its shard into slot me of every other member's symmetric gather buffer and SETs that member's
-flag to the call's epoch, members in the order they read it; the GEMM computes the own shard's rows first, then
-shard me+1, me+2, ..., each once its flag is set. Two ways (`AgGemmWorkspace.push`):
+Member me puts its shard into slot me of every other member's symmetric gather buffer (and of its own, where its
+GEMM reads the own shard from there) and SETs that member's flag to the call's epoch, members in the order they
+read it; the GEMM computes the own shard's rows first, then shard me+1, me+2, ..., each once its flag is set. Two ways (`AgGemmWorkspace.push`):
 
 * "copy" (every member directly reachable: NVLink peers, CPU ranks). On the workspace's stream the copy engine
   moves the shard into each peer's heap, one memcpy per member by address (a StreamIssuer made with the
