@@ -164,19 +164,3 @@ def release(ws: OpWorkspace, team: Team) -> None:
     """Tell every member that this rank has finished the call on `ws` (its `consumed` words)."""
     _RELEASE.launch_keyed((1,), ws.consumed, team.pes, ws.epoch, team.index, team.size)
 
-
-@tilecomm.jit(do_not_specialize=["value"])
-def _wait_word_kernel(words_ptr, index, value):
-    """Return once words[index] >= value (past the runtime's timeout: WaitTimeoutError, as every wait)."""
-    tcl.wait(words_ptr + index, value, tcl.CMP_GE)
-
-
-_WAIT_WORD = CachedLaunch(_wait_word_kernel)
-
-
-def wait_word(words: torch.Tensor, index: int, value: int) -> None:
-    """Queue on the current stream a one-program kernel that waits until words[index] >= value (a local int64
-    symmetric word that peers signal or stream-write): what follows on the stream starts after it, and reads
-    what the signal's writer wrote before it. A stream wait with a timeout (cuStreamWaitValue64 has none)."""
-    _WAIT_WORD.launch_keyed((1,), words, index, value)
-

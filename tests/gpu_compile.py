@@ -93,7 +93,6 @@ CASES = [
      dict(GEMM, FLATTEN=True, E_PAD=256)),
     (gr._wgrad_kernel, WGRAD_SIG, WGRAD),
     (gr._wgrad_flat_kernel, dict(WGRAD_SIG, E_PAD="constexpr"), dict(WGRAD, E_PAD=256)),
-    (ov_team._wait_word_kernel, {"words_ptr": I64P, "index": "i32", "value": I64}, {}),
     (ov_team._release_kernel, {"consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "me": "i32", "W": "i32"}, {}),
     (ot._matmul_kernel, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                          "stride_am": "i32", "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG}, GEMM),

@@ -1,6 +1,7 @@
 """ag_gemm, gemm_rs and the TP layers against float64 references, on 2, 3 and 4 CPU ranks."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 
@@ -27,30 +28,56 @@ def _rand(shape, seed, dtype):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(dev())
 
 
-def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False, own_by_cublas=True):
-    rank = tilecomm.rank()
-    module = importlib.import_module("tilecomm.overlap.ag_gemm")  # (the package binds a function of that name)
-    launch_gemm, own_default = module.launch_gemm, module.OWN_SHARD_BY_CUBLAS
-    module.OWN_SHARD_BY_CUBLAS = own_by_cublas  # the copy push's two forms of the own shard
-    if slow_wait and rank == 0:  # rank 0 reads late: the others' next call must not overwrite what it reads
-        module.launch_gemm = lambda *args, **kw: (time.sleep(0.3), launch_gemm(*args, **kw))
-    # the copy engine pushes where every peer's heap is mapped (CPU ranks, GPUs over NVLink), not through NVSHMEM
+@contextlib.contextmanager
+def _patched(module, **attrs):
+    """Set module attributes for the block, then put the old ones back (also when the block raises)."""
+    saved = {name: getattr(module, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _late(fn, seconds=0.3):
+    """fn, called after a sleep (a reader that falls behind its peers)."""
+    return lambda *args, **kw: (time.sleep(seconds), fn(*args, **kw))[1]
+
+
+def _workspace(make, push):
+    """make(push), or None after checking that push="copy" is refused under NVSHMEM: the copy engine pushes only
+    where every peer's heap is mapped (CPU ranks, GPUs over NVLink). The workspace's push is checked too."""
     nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
     if push == "copy" and nvshmem:
         with pytest.raises(ValueError, match="push='copy' is not available on rank 0: TILECOMM_TRANSPORT=nvshmem"):
-            AgGemmWorkspace(K, dtype, m + 3, push=push)
-        return
-    ws = AgGemmWorkspace(K, dtype, m + 3, push=push)  # owned, made up front, reused by every call
+            make(push)
+        return None
+    ws = make(push)
     assert ws.push == ("kernel" if push == "kernel" or nvshmem else "copy")
+    return ws
+
+
+def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False, own_by_cublas=True):
+    rank = tilecomm.rank()
+    module = importlib.import_module("tilecomm.overlap.ag_gemm")  # (the package binds a function of that name)
+    ws = _workspace(lambda p: AgGemmWorkspace(K, dtype, m + 3, push=p), push)  # owned, made up front, reused
+    if ws is None:
+        return
+    # rank 0 reads late (slow_wait): the others' next call must not overwrite what it reads
+    patches = dict(OWN_SHARD_BY_CUBLAS=own_by_cublas)  # the copy push's two forms of the own shard
+    if slow_wait and rank == 0:
+        patches["launch_gemm"] = _late(module.launch_gemm)
     calls_made = []  # every call first, then the checks: no collective between calls holds a rank back
-    for call in range(calls):  # fresh data each call: the gather buffer and flags are reused
-        rows = m - call  # fewer rows than the workspace holds
-        a = _rand((rows, K), 100 * call + rank, dtype)
-        b = _rand((K, n), 100 * call + 77, dtype)
-        if call % 2:  # a column-major b (a transposed weight) is read in place
-            b = b.t().contiguous().t()
-        calls_made.append((a, b, *ag_gemm(a, b, return_gathered=True, workspace=ws)))
-    module.launch_gemm, module.OWN_SHARD_BY_CUBLAS = launch_gemm, own_default
+    with _patched(module, **patches):
+        for call in range(calls):  # fresh data each call: the gather buffer and flags are reused
+            rows = m - call  # fewer rows than the workspace holds
+            a = _rand((rows, K), 100 * call + rank, dtype)
+            b = _rand((K, n), 100 * call + 77, dtype)
+            if call % 2:  # a column-major b (a transposed weight) is read in place
+                b = b.t().contiguous().t()
+            calls_made.append((a, b, *ag_gemm(a, b, return_gathered=True, workspace=ws)))
     for call, (a, b, c, gathered) in enumerate(calls_made):
         full = torch.cat([t.double() for t in gather_all(a)])
         assert torch.equal(gathered.cpu(), full.to(dtype)), "gathered A differs"
@@ -101,31 +128,26 @@ class _SlowLaunch:
 def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=False):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     module = importlib.import_module("tilecomm.overlap.gemm_rs")
-    add_slots, launch_gemm, fused_default = module._ADD_SLOTS, module.launch_gemm, module.FUSED_OWN_BLOCK
-    module.FUSED_OWN_BLOCK = fused_own  # the copy push's two forms of the own block (its GEMM and the slots' sum)
-    if slow_add and rank == 0:  # rank 0 adds late: the others' next call must not overwrite what it reads
-        module._ADD_SLOTS = _SlowLaunch(add_slots, 0.3)
-        module.launch_gemm = lambda *args, **kw: (time.sleep(0.3), launch_gemm(*args, **kw))
-    nvshmem = tilecomm.current().device.type == "cuda" and _env.transport() == "nvshmem"
-    if push == "copy" and nvshmem:
-        with pytest.raises(ValueError, match="push='copy' is not available on rank 0: TILECOMM_TRANSPORT=nvshmem"):
-            GemmRsWorkspace(N, dtype, mb + 2, push=push)
+    ws = _workspace(lambda p: GemmRsWorkspace(N, dtype, mb + 2, push=p), push)  # more rows than the calls use
+    if ws is None:
         return
-    ws = GemmRsWorkspace(N, dtype, mb + 2, push=push)  # more rows than the calls use
-    assert ws.push == ("kernel" if push == "kernel" or nvshmem else "copy")
+    # rank 0 adds late (slow_add): the others' next call must not overwrite what it reads
+    patches = dict(FUSED_OWN_BLOCK=fused_own)  # the copy push's two forms of the own block (GEMM and slots' sum)
+    if slow_add and rank == 0:
+        patches.update(_ADD_SLOTS=_SlowLaunch(module._ADD_SLOTS, 0.3), launch_gemm=_late(module.launch_gemm))
     calls_made = []  # every call first, then the checks: no collective between calls holds a rank back
-    for call in range(calls):  # fresh data each call: both halves of the copy push's recv buffer are reused
-        a = _rand((world * mb, K), 10 * call + rank, dtype)
-        b = _rand((K, N), 10 * call + 5 + rank, dtype)
-        if call % 2:
-            b = b.t().contiguous().t()
-        calls_made.append((a, b, gemm_rs(a, b, workspace=ws) if call < calls - 1 else gemm_rs(a, b)))
+    with _patched(module, **patches):
+        for call in range(calls):  # fresh data each call: both halves of the copy push's recv buffer are reused
+            a = _rand((world * mb, K), 10 * call + rank, dtype)
+            b = _rand((K, N), 10 * call + 5 + rank, dtype)
+            if call % 2:
+                b = b.t().contiguous().t()
+            calls_made.append((a, b, gemm_rs(a, b, workspace=ws) if call < calls - 1 else gemm_rs(a, b)))
     for call, (a, b, out) in enumerate(calls_made):
         parts = [x.double() @ y.double() for x, y in zip(gather_all(a), gather_all(b))]
         want = sum(parts)[rank * mb:(rank + 1) * mb]
         err = _rel(out, want)
         assert out.shape == (mb, N) and err < TOL[dtype], f"call {call}: rel err {err}"
-    module._ADD_SLOTS, module.launch_gemm, module.FUSED_OWN_BLOCK = add_slots, launch_gemm, fused_default
     ws.free()
 
 
