@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+import triton
 import triton.language as tl
 from triton.runtime import interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction, InterpreterError
@@ -291,6 +292,18 @@ def jit(fn: Optional[Callable] = None, **jit_kwargs):
     if fn is None:
         return lambda f: TileKernel(f, **jit_kwargs)
     return TileKernel(fn, **jit_kwargs)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for device-built TMA descriptors (128 bytes per descriptor per program)."""
+    device = "cuda" if stream is not None and torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def prepare_tma() -> None:
+    """Install the descriptor scratch allocator for kernels that build TMA descriptors (a ContextVar: call it
+    from each launching thread before such a launch)."""
+    triton.set_allocator(_tma_scratch)
 
 
 def _direct_launcher(kernel):

@@ -57,7 +57,7 @@ from tilecomm.jit import CachedLaunch, cdiv, pdl_available
 from tilecomm import stream_ops
 
 from .team import OpWorkspace, push_mode, team_of
-from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
@@ -143,7 +143,7 @@ def _gemm_kernel(gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, fir
         pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
         flag = flags_ptr + src * flag_stride + pid_m * BLOCK_M // flag_rows
         tok = tcl.wait(flag, epoch, tcl.CMP_GE)  # the push's flag of these rows
-        g = proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the pushed data
+        g = tcl.proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the pushed data
         acc = tile_product(a_desc, g, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                            B_TRANS, PRECISION)
         store_tile(c_desc, src, c_ptr + tl.cast(src, tl.int64) * m * stride_cm, stride_cm, m, N, acc,

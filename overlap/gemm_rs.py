@@ -60,7 +60,7 @@ from tilecomm import stream_ops
 from tilecomm.jit import CachedLaunch, cdiv
 
 from .team import OpWorkspace, push_mode, release, team_of
-from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, proxy_fence,
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul,
                     resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
@@ -210,7 +210,7 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
             if WAIT_LATE:
                 ready = _wait_parts(flags_ptr, me, W, flag_stride, t // flag_tiles, epoch)
             if C_TMA:  # partial tiles by TMA (pointer loads with their masks spilled registers)
-                g = proxy_fence(ready)  # TMA reads see the peers' stores
+                g = tcl.proxy_fence(ready)  # TMA reads see the peers' stores
                 for s in range(1, W):
                     src = (g + s) % W
                     c0 += r_desc.load([src, off_m, off_n]).reshape(BLOCK_M, HALF).to(tl.float32)

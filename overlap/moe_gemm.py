@@ -37,7 +37,7 @@ from tilecomm.dispatch._device import last_of, peer_offset, wait_all
 
 from .grouped import _expert_table, _pick
 from .moe_comm import wait_words
-from .tiles import b_desc3, desc3, proxy_fence, split_cols, tile_position, tile_product_acc
+from .tiles import b_desc3, desc3, split_cols, tile_position, tile_product_acc
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def _copy_rows(stage_ptr, staged, rows_ptr, r, ok, H, stride, BLOCK_M: tl.conste
         m = ok[:, None] & (cols < H)[None, :]
         v = tl.load(stage_ptr + staged[:, None] * H + cols[None, :], mask=m)
         tl.store(rows_ptr + r[:, None].to(tl.int64) * stride + cols[None, :], v, mask=m)
-    proxy_fence(tl.full((), 0, tl.int32))
+    tcl.proxy_fence(tl.full((), 0, tl.int32))
     tl.debug_barrier()
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 import tilecomm
-from tilecomm.jit import CachedLaunch, TileKernel, cdiv
+from tilecomm.jit import CachedLaunch, cdiv, prepare_tma
 
 
 @dataclass(frozen=True)
@@ -153,17 +153,6 @@ def num_programs(num_tiles: int, device: torch.device, per_sm: int = 1) -> int:
     return max(1, min(num_tiles, per_sm * sms))
 
 
-def _scratch(size: int, alignment: int, stream):
-    """Global scratch for device-built TMA descriptors (128 bytes per descriptor per program)."""
-    device = "cuda" if stream is not None and torch.cuda.is_available() else "cpu"
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
-def prepare_tma() -> None:
-    """Install the descriptor scratch allocator (a ContextVar: set from each launching thread)."""
-    triton.set_allocator(_scratch)
-
-
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
     return t.stride(-1) == 1 and (t.stride(-2) * size) % 16 == 0 and t.data_ptr() % 16 == 0
@@ -189,21 +178,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     """fp32 (and fp64) operands multiply in IEEE arithmetic (as torch.matmul does by default), 16-bit ones on
     tensor cores."""
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
-
-
-def _proxy_fence_cpu(x):
-    return x
-
-
-@triton.jit
-def _proxy_fence_gpu(x):
-    """x (int32), after a fence that lets later TMA (async-proxy) reads see data this program acquired
-    through generic-proxy loads/atomics (a peer's stores and signal)."""
-    return tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-proxy_fence = TileKernel(_proxy_fence_gpu.fn, cpu_impl=_proxy_fence_cpu)
 
 
 @tilecomm.jit

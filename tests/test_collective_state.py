@@ -53,13 +53,15 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
-def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False):
+def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=False):
     """Every collective, several calls of fresh sizes, on a CollectiveState made with other tuning knobs, against
     the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
     ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
     apart: that hung while warps of a program could disagree on its epoch, comm/collectives/_exchange.py "The
     epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push (the default), or not.
-    ring_hints: the staged pairs' loads and stores with L2 eviction policies (their own compiled variant on GPUs)."""
+    ring_hints: the staged pairs' loads and stores with L2 eviction policies (their own compiled variant on GPUs).
+    tma: the pairs' whole 256-byte rows by TMA (comm/collectives/_copy.py) at every size (tma_min_bytes 0), each
+    chunk ending in a part row (96-byte rows); also an all_to_all read in place from the heap."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -69,8 +71,10 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False):
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
     state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
-                                   ring_hints=ring_hints)
+                                   ring_hints=ring_hints, tma=tma)
+    state.tma_min_bytes = 0
     default, ctx.collectives = ctx.collectives, state
+    on_heap = tilecomm.empty((world * (500 + 37 * 2), 24), torch.float32) if tma else None
     try:
         assert dev().type != "cuda" or state.programs_per_peer == max(1, programs_per_sm * sms // world)
         for call in range(3):
@@ -89,6 +93,11 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False):
             tilecomm.all_to_all_single(a2a_uneven, xu, recv, splits)
             tilecomm.all_gather_into_tensor(ag, x[:rows])
             tilecomm.reduce_scatter_tensor(rs, x)
+            if tma:
+                in_place = poison(torch.empty_like(x))
+                tilecomm.all_to_all_single(in_place, on_heap[:x.shape[0]].copy_(x))
+                tilecomm.check_errors()
+                assert torch.equal(in_place, a2a), f"call {call}: read in place"
             tilecomm.check_errors()
             assert torch.equal(a2a.cpu(), all_to_all_ref(inputs, [[rows] * world] * world, rank)), f"call {call}"
             assert torch.equal(a2a_uneven.cpu(), all_to_all_ref(gather_all(xu), all_splits, rank)), f"call {call}"
@@ -100,11 +109,13 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False):
             torch.cuda.synchronize()
         state.free()
         ctx.collectives = default
+        if on_heap is not None:
+            tilecomm.free(on_heap)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("knobs", [(3, False), (2, True), (2, True, True)],
-                         ids=["three_programs_per_sm_unstaggered", "staggered", "ring_hints"])
+@pytest.mark.parametrize("knobs", [(3, False), (2, True), (2, True, True), (2, True, False, True)],
+                         ids=["three_programs_per_sm_unstaggered", "staggered", "ring_hints", "tma"])
 def test_collectives_under_other_knobs(ranks, world, knobs):
     ranks(world).run(under_other_knobs, 41, *knobs)
 
@@ -235,7 +246,7 @@ def test_ring_steps_are_powers_of_two_for_any_workspace(backend):
                 state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = chunk, st._BLOCK_BYTES, 8, st.DEPTH
                 state._configs, state._max_w, state.rs_stagger = {}, 8, False
                 for elem in (1, 2, 4, 8):
-                    for key in (("pairs", elem, True, True, False, False, False),
+                    for key in (("pairs", elem, True, True, False, False, False, False),
                                 ("reduce", elem, True, 0, False, False, "acc")):
                         c = state._launch_config(key)
                         steps = [c["BLOCK"]] + ([c["PUSH_BLOCK"]] if "PUSH_BLOCK" in c else [])

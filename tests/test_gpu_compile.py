@@ -41,9 +41,14 @@ def _two_programs_per_sm(rows: dict) -> None:
     no local memory (a masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
     registers and 136 bytes of local memory); their program index is a ticket (abi.take_ticket), not the block
     index (3 programs per SM hung on 4 H200s with block indices)."""
-    for kernel in ("_exchange._pairs_kernel", "_exchange._reduce_kernel"):
+    for kernel in ("_exchange._pairs_kernel", "_exchange._pairs_kernel+TMA", "_exchange._reduce_kernel"):
         assert rows[kernel]["regs"] <= 128 and rows[kernel]["local_bytes"] == 0, rows[kernel]
         assert rows[kernel]["ticket"], rows[kernel]
+    # TMA rows (collectives/_copy.py): tile loads and stores, each store complete before the signals after it,
+    # and two programs' tiles fit an SM's 227 KiB of shared memory
+    tma = rows["_exchange._pairs_kernel+TMA"]
+    assert tma["tma"] and tma["bulk_wait"] and 2 * tma["shared_bytes"] <= 227 << 10, tma
+    assert not rows["_exchange._pairs_kernel"]["tma"]
 
 
 def test_kernels_compile_for_sm90_nvlink_transport(compiled):

@@ -70,6 +70,7 @@ import triton.language as tl
 from .. import language as tcl
 from ..jit import jit
 from ..language.abi import ERR_COUNT_MISMATCH, ERR_OP_MISMATCH, record_error, take_ticket
+from ._copy import copy_elements, load, move
 
 # The header's tag: which collective a rank is in, and its element size (ranks must call the same ones
 # in the same order; a reader that finds another tag records ERR_OP_MISMATCH).
@@ -89,40 +90,6 @@ def _peer_delta(ptr, pe):
     """Element distance from ptr to the same symmetric object on pe (a multiple of 16 bytes)."""
     elem = ptr.dtype.element_ty.primitive_bitwidth // 8
     return (tcl.symm_at(ptr, pe).to(tl.int64) - ptr.to(tl.int64)) // elem
-
-
-@jit
-def _copy(dst_ptr, dst_off, src_ptr, src_off, n, BLOCK: tl.constexpr, VEC: tl.constexpr, LOAD_POLICY: tl.constexpr,
-          STORE_POLICY: tl.constexpr):
-    """dst[dst_off : dst_off + n] = src[src_off : ...]; both offsets multiples of VEC elements (16 bytes).
-    Whole blocks go unmasked, the tail's whole vectors under a mask of VEC-element granules (so still
-    16-byte vectors: a mask `offs < n` with n of unknown divisibility makes every access scalar, which cost
-    a 128x7168 all_to_all 44 µs instead of 28 on 4 H200s), then the last n % VEC elements one by one.
-    LOAD_POLICY / STORE_POLICY: "" (loads .cg, stores plain), or an L2 eviction policy for the source's /
-    destination's lines ("evict_first", "evict_last": CollectiveState.ring_hints)."""
-    dst = dst_ptr + dst_off // VEC * VEC  # (an identity here) tells the compiler the alignment
-    src = src_ptr + src_off // VEC * VEC
-    full = n // BLOCK * BLOCK
-    for s in range(0, full, BLOCK):
-        offs = tl.multiple_of(s, BLOCK) + tl.arange(0, BLOCK)
-        tl.store(dst + offs, _load(src + offs, None, LOAD_POLICY), eviction_policy=STORE_POLICY)
-    whole = n // VEC * VEC
-    if full < whole:
-        offs = full + tl.arange(0, BLOCK)
-        mask = offs < whole
-        tl.store(dst + offs, _load(src + offs, mask, LOAD_POLICY), mask=mask, eviction_policy=STORE_POLICY)
-    if whole < n:
-        offs = whole + tl.arange(0, VEC)
-        mask = offs < n
-        tl.store(dst + offs, _load(src + offs, mask, LOAD_POLICY), mask=mask, eviction_policy=STORE_POLICY)
-
-
-@jit
-def _load(ptrs, mask, POLICY: tl.constexpr):
-    """A copy's load: cached in L2 only (.cg), or with an L2 eviction policy (PTX allows no .cg with one)."""
-    if POLICY == "":
-        return tl.load(ptrs, mask=mask, cache_modifier=".cg")
-    return tl.load(ptrs, mask=mask, eviction_policy=POLICY)
 
 
 @jit
@@ -218,7 +185,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
                   t0, t1, t2, t3, t4, t5, t6, t7,
                   EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr, MOVE: tl.constexpr,
                   TAG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
-                  VEC: tl.constexpr, TABLE_ARGS: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr):
+                  VEC: tl.constexpr, TABLE_ARGS: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
+                  TMA: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
     the input). in, out and heap are moved as MOVE (an integer type of the element's width, so the
     caller passes its tensors as they are). Offsets and counts in elements; with EVEN every pair moves
@@ -226,7 +194,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     received from p (high 32 bits), so no program reads a table; else
     table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ... received from p
     (pinned host memory). STREAM / KEEP: the L2 eviction policies of a staged pair's data read or written once
-    (its input, its output) and of the ring (CollectiveState.ring_hints; "" for none)."""
+    (its input, its output) and of the ring (CollectiveState.ring_hints; "" for none). TMA: whole 256-byte rows
+    of each chunk move by TMA (_copy.move)."""
     in_ptr = in_ptr.to(tl.pointer_type(MOVE))
     out_ptr = out_ptr.to(tl.pointer_type(MOVE))
     heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
@@ -266,8 +235,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     n_send = _chunks_of(s_cnt, q, P, s_chunk) * (1 - IN_PLACE)
     if n_send > 0:
         c0 = q.to(tl.int64) * s_chunk
-        _copy(heap_ptr, peer_dst + slot0, in_ptr, s_off + c0, tl.minimum(s_chunk, s_cnt - c0), BLOCK, VEC, STREAM,
-              KEEP)
+        move(heap_ptr, peer_dst + slot0, in_ptr, s_off + c0, tl.minimum(s_chunk, s_cnt - c0), BLOCK, VEC, STREAM,
+             KEEP, TMA)
     _publish(tcl.symm_at(meta_ptr, dst), ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, TAG,
              tl.where(n_send > 0, base + 1, base))
     remote_off, cnt, remote_in_place, offered = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base,
@@ -283,19 +252,19 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
             c = (q + i * P).to(tl.int64) * s_chunk
             if i >= DEPTH:  # the reader must be done with what this ring slot held
                 tcl.wait(done_ptr + pid, base + i - DEPTH + 1, tcl.CMP_GE)
-            _copy(heap_ptr, peer_dst + slot, in_ptr, s_off + c, tl.minimum(s_chunk, s_cnt - c), BLOCK, VEC, STREAM,
-                  KEEP)
+            move(heap_ptr, peer_dst + slot, in_ptr, s_off + c, tl.minimum(s_chunk, s_cnt - c), BLOCK, VEC, STREAM,
+                 KEEP, TMA)
             tcl.signal(ready_ptr + pid, base + i + 1, dst, tcl.SIGNAL_SET)
         if i < n_recv:
             c = (q + i * P).to(tl.int64) * r_chunk
             if remote_in_place == 0:
                 tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
-                _copy(out_ptr, r_off + c, heap_ptr, slot, tl.minimum(r_chunk, cnt - c), BLOCK, VEC, KEEP, STREAM)
+                move(out_ptr, r_off + c, heap_ptr, slot, tl.minimum(r_chunk, cnt - c), BLOCK, VEC, KEEP, STREAM, TMA)
                 if i < n_recv - 1:  # the last chunk's "done" is the final signal below
                     tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:
-                _copy(out_ptr, r_off + c, heap_ptr, peer_src + remote_off + c, tl.minimum(r_chunk, cnt - c),
-                      BLOCK, VEC, "", "")
+                move(out_ptr, r_off + c, heap_ptr, peer_src + remote_off + c, tl.minimum(r_chunk, cnt - c),
+                     BLOCK, VEC, "", "", TMA)
     # finish: src may reuse my ring region and words; my input, where dst reads it in place, is free once dst
     # says it is done
     tcl.signal(done_ptr + pid, last, src, tcl.SIGNAL_SET)
@@ -337,9 +306,9 @@ def _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, s, length, MASKED: tl.co
     for p in range(0, W):
         src = heap_ptr + _pick(src_offs, ps, p) // VEC * VEC
         if MASKED:
-            x = _load(src + offs, mask, KEEP).to(ACC)
+            x = load(src + offs, mask, KEEP).to(ACC)
         else:
-            x = _load(src + offs, None, KEEP).to(ACC)
+            x = load(src + offs, None, KEEP).to(ACC)
         acc = tl.where(p == 0, x, _combine(acc, x, OP))
     if AVG:
         acc = acc / W
@@ -355,8 +324,8 @@ def _push_chunk(heap_ptr, in_ptr, dst, ring_at, n, c, chunk, BLOCK: tl.constexpr
                 STREAM: tl.constexpr, KEEP: tl.constexpr):
     """reduce_scatter: elements c .. c + chunk of my input's block for dst (in[dst * n + c ...]) into dst's
     ring at element offset ring_at (stores over NVLink)."""
-    _copy(heap_ptr, _peer_delta(heap_ptr, dst) + ring_at, in_ptr, dst.to(tl.int64) * n + c, tl.minimum(chunk, n - c),
-          BLOCK, VEC, STREAM, KEEP)
+    copy_elements(heap_ptr, _peer_delta(heap_ptr, dst) + ring_at, in_ptr, dst.to(tl.int64) * n + c,
+                  tl.minimum(chunk, n - c), BLOCK, VEC, STREAM, KEEP)
 
 
 @jit

@@ -24,7 +24,10 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
                        the copy added 17 GPU µs and 12-17 host µs to a 128-row uneven all_to_all, on 2 H100s it cut
                        the kernel from 35 to 18 µs but the call from 70 to 96 µs.)
 
-Nothing is allocated per call. `free()` (called by `tilecomm.finalize`) returns the heap space.
+On sm_90+ GPUs the pairs kernel moves a large pair's whole 256-byte rows by TMA (`tma`, _copy.py): where a
+program's share of the pair is at least `tma_min_bytes`; below it building the descriptors costs more than they move.
+
+Nothing is allocated per call (but a TMA call's descriptor scratch: Triton's, 256 bytes a program). `free()` (called by `tilecomm.finalize`) returns the heap space.
 Any transfer size works: data streams through the ring. Calls are ordered on the current stream;
 a call returns once its kernel is queued.
 """
@@ -38,7 +41,7 @@ import torch
 import triton.language as tl
 
 from ..errors import require
-from ..jit import CachedLaunch, next_pow2
+from ..jit import CachedLaunch, next_pow2, prepare_tma
 from . import _exchange as kx
 
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
@@ -61,6 +64,9 @@ _GPU_PROGRAMS_PER_SM = 2
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
 _BLOCK_BYTES = 32 << 10
+# A pair moves by TMA where each of its P programs moves at least this much (a 128-row all_to_all on 4 H200s
+# gives a program 7 KiB, under one 8 KiB tile: slower by TMA; a 4096-row one 222 KiB: faster; _copy.py).
+TMA_MIN_BYTES = 64 << 10
 # Element types moved bit for bit as an integer of the same width (all_to_all, all_gather).
 _BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
@@ -117,6 +123,10 @@ class CollectiveState:
     # L2 instead of written back (off by default: not measured yet; a staged all_gather at world 1 costs two copies
     # whatever the ring's size, BENCHMARKS.md 2026-11-27)
     ring_hints: bool = False
+    # all_to_all / all_gather: whole 256-byte rows of a pair by TMA (sm_90+ GPUs, 16-byte aligned calls) where each
+    # program's share is at least tma_min_bytes (TMA_MIN_BYTES; CPU tests set 0 to run the path on small pairs)
+    tma: bool = False
+    tma_min_bytes: int = TMA_MIN_BYTES
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
     # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
@@ -146,11 +156,13 @@ class CollectiveState:
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
-               ring_hints: bool = False) -> "CollectiveState":
+               ring_hints: bool = False, tma: Optional[bool] = None) -> "CollectiveState":
         """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints: the tuning knobs (GPU; the
-        benchmarks sweep them)."""
+        benchmarks sweep them). tma: None for "on sm_90+ GPUs"."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
+        if tma is None:
+            tma = on_gpu and torch.cuda.get_device_capability(ctx.device)[0] >= 9
         if on_gpu:
             sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
             chunk = chunk_bytes or _GPU_CHUNK_BYTES
@@ -180,7 +192,7 @@ class CollectiveState:
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
-                   rs_stagger, ring_hints=ring_hints, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
+                   rs_stagger, ring_hints=ring_hints, tma=tma, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
@@ -231,7 +243,7 @@ class CollectiveState:
 
     def _launch_config(self, key: tuple) -> dict:
         """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the
-        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
+        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS, TMA for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
         config = self._configs.get(key)
         if config is None:
             kernel, elem, aligned = key[:3]
@@ -242,9 +254,9 @@ class CollectiveState:
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
                           num_warps=self.num_warps)
             if kernel == "pairs":
-                even, gather, in_place, table_args = key[3:]
-                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, MOVE=_BITS[elem],
-                              TAG=kx.op_tag(2 if gather else 1, elem), STREAM="evict_first" if self.ring_hints else "",
+                even, gather, in_place, table_args, tma = key[3:]
+                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, TMA=tma,
+                              MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem), STREAM="evict_first" if self.ring_hints else "",
                               KEEP="evict_last" if self.ring_hints else "")
             else:
                 op, average, in_place, acc = key[3:]
@@ -283,7 +295,11 @@ class CollectiveState:
                 table = self._table(_split_table(in_rows, out_rows, row), capturing)
         in_heap_off, in_place = self._placement(src, send_ok)
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
-        key = ("pairs", elem, aligned, even, gather, in_place, table_args)
+        largest = n_even if even else max(max(in_rows), max(out_rows)) * row
+        tma = self.tma and aligned and largest * elem >= self.programs_per_peer * self.tma_min_bytes
+        if tma:
+            prepare_tma()
+        key = ("pairs", elem, aligned, even, gather, in_place, table_args, tma)
         bound = self._bound.get((src.dtype, out.dtype) + key)
         if bound is None:  # varying: src, out, in_heap_off, then the packed counts, or the table and n_even
             varying = (0, 1, 7) + tuple(range(10, 10 + TABLE_ARG_RANKS)) if table_args else (0, 1, 4, 7, 8)

@@ -24,6 +24,12 @@ All operations act for the whole program (one Triton program = one CUDA block):
                                     recorded (the kernels queued behind a first timeout end at once).
     consume_token(x, token)         x, made dependent on token (keeps loads after the wait)
     fence() / quiet()               order / complete this program's earlier puts
+    proxy_fence(x)                  x (int32), after this program's earlier generic accesses (a wait's
+                                    acquire, plain stores) are ordered before its later TMA (async-proxy)
+                                    loads and stores: wait, then proxy_fence, then read a peer's data by TMA
+    bulk_wait(x)                    x (int32), after this program's TMA stores are complete and ordered
+                                    before its later generic accesses: TMA stores, bulk_wait, then signal
+                                    (Triton waits only until a TMA store has read its shared memory)
     barrier_all()                   all PEs meet (call from one program per kernel per rank)
 
 Signal words are int64 symmetric tensors (int32 works too). Compare ops: CMP_EQ, CMP_NE, CMP_GT,
@@ -62,6 +68,9 @@ consume_token = _primitive("consume_token")
 fence = _primitive("fence")
 quiet = _primitive("quiet")
 barrier_all = _primitive("barrier_all")
+proxy_fence = _primitive("proxy_fence")
+bulk_wait = _primitive("bulk_wait")
 
 __all__ = ["rank", "num_ranks", "symm_at", "put", "get", "signal", "wait", "consume_token", "fence", "quiet",
-           "barrier_all", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE"]
+           "barrier_all", "proxy_fence", "bulk_wait", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT",
+           "CMP_LE", "CMP_LT", "CMP_GE"]

@@ -401,6 +401,22 @@ def quiet():
 
 
 @triton.jit
+def proxy_fence(x):
+    return tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def bulk_wait(x):
+    # cp.async.bulk groups belong to the thread that issued them (Triton's elected thread): every thread
+    # runs the wait, so that one completes its writes; the fence then orders them before generic accesses
+    done = tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, $1;",
+                                     "=r,r", [x.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    return done
+
+
+@triton.jit
 def barrier_all():
     state = _state_ptr()
     ctrl = tl.load(state + STATE_CONTROL).to(tl.pointer_type(tl.int64))
