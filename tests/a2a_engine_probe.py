@@ -8,16 +8,15 @@ writes straight into the reader's output and none stages (no handshake either: t
 collectives; the reader's data is not checked beyond the first call):
 - `ce 1 stream`: the W chunks as W cuMemcpyDtoDAsync (the copy engine), one after another on one stream;
 - `ce W streams`: one stream per destination (the copy engines side by side);
-- `ce split S`: each chunk cut in S pieces, issued piece by piece round-robin over the destinations on one stream;
 - `sm all peers`: one kernel of W x P programs (P = 2 per SM / W), P of them per destination, each tcl.put of
   its slice (SM stores over NVLink): every GPU writes to every peer at once, as tilecomm's all_to_all does;
 - `sm tma RxC [P/2]`: one kernel of W x P programs (or half as many), P per destination, each moving R x C tiles by
   TMA: a tensor-descriptor load from its src, a store through a descriptor on the destination's heap address (the
   bulk-copy unit writing over NVLink, as DeepEP's intranode kernels do), every peer at once;
-- `sm phased`: W kernels of W x P programs, kernel k all to destination me + k (a permutation at each step, as
-  the copy engine's one-stream way; no handshake between steps, so ranks may drift);
 - `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors / on ordinary tensors (SM stores,
   handshakes included);
+- `tilecomm tma push` / `tilecomm tma both` / `tilecomm heap tma`: the same on a CollectiveState with TMA for the
+  writers' pushes / the pushes and the readers' copies (tma_push, tma_read; comm/collectives/_copy.py);
 - `nccl`: torch.distributed.all_to_all_single on ordinary tensors.
 The first call of every copy-engine way is checked against NCCL's result (a wrong address would show).
 """
@@ -29,7 +28,8 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
-from tilecomm.overlap.tiles import prepare_tma
+from tilecomm.collectives.state import CollectiveState
+from tilecomm.jit import prepare_tma
 from tilecomm.stream_ops import StreamIssuer
 
 SHAPES = [(4096, 7168), (128, 7168)]
@@ -94,6 +94,21 @@ def main():
     prepare_tma()  # the scratch the TMA rows' in-kernel descriptors need
     world, me = dist.get_world_size(), dist.get_rank()
     streams = [torch.cuda.Stream() for _ in range(world)]
+    ctx = tilecomm.current()
+    workspace = ctx.collectives.ring.numel() * 2  # (as the runtime's: two rings)
+    push = CollectiveState.create(ctx, workspace, tma_push=True)
+    both = CollectiveState.create(ctx, workspace, tma_push=True, tma_read=True)
+
+    def on(state, call):
+        """call, with the runtime's collectives on `state`."""
+        def swapped():
+            default, ctx.collectives = ctx.collectives, state
+            try:
+                call()
+            finally:
+                ctx.collectives = default
+        return swapped
+
     for rows, cols in SHAPES:
         x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
         src, out = tilecomm.empty((rows, cols), torch.bfloat16), tilecomm.empty((rows, cols), torch.bfloat16)
@@ -124,15 +139,6 @@ def main():
             for s in streams:
                 main_stream.wait_stream(s)
 
-        def ce_split(pieces):
-            step = -(-nbytes // pieces // 256) * 256
-
-            def call():
-                for lo in range(0, nbytes, step):
-                    for d in order:
-                        one.copy(dst_addr[d] + lo, src_addr[d] + lo, min(step, nbytes - lo))
-            return call
-
         programs = 2 * torch.cuda.get_device_properties(out.device).multi_processor_count
 
         def sm_all_peers():
@@ -144,18 +150,16 @@ def main():
                                                             BLOCK_C=128)
             return call
 
-        def sm_phased():
-            for k in range(world):
-                _put_kernel[(1, programs)](out, src, part * cols, me, world, k)
-
-        ways = [("sm all peers", sm_all_peers, True), ("sm phased", sm_phased, True),
+        ways = [("sm all peers", sm_all_peers, True),
                 ("sm tma 32x128", sm_tma(32, programs // world), True),
                 ("sm tma 64x128", sm_tma(64, programs // world), True),
                 ("sm tma 32x128 P/2", sm_tma(32, programs // world // 2), True),
                 ("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
-                ("ce split 4", ce_split(4), True), ("ce split 16", ce_split(16), True),
                 ("tilecomm heap", lambda: tilecomm.all_to_all_single(out, src), True),
+                ("tilecomm heap tma", on(both, lambda: tilecomm.all_to_all_single(out, src)), True),
                 ("tilecomm", lambda: tilecomm.all_to_all_single(ordinary_out, x), False),
+                ("tilecomm tma push", on(push, lambda: tilecomm.all_to_all_single(ordinary_out, x)), False),
+                ("tilecomm tma both", on(both, lambda: tilecomm.all_to_all_single(ordinary_out, x)), False),
                 ("nccl", lambda: dist.all_to_all_single(ordinary_out, x), False)]
         peer_bytes = (world - 1) * nbytes
         for name, call, into_heap in ways:
@@ -169,6 +173,8 @@ def main():
             if me == 0:
                 print(f"world {world} {rows}x{cols}  {name:18s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
                       f"NVLink per GPU  {'ok' if ok else 'WRONG'}", flush=True)
+    push.free()
+    both.free()
     tilecomm.finalize()
     dist.destroy_process_group()
 

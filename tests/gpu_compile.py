@@ -38,7 +38,7 @@ I64P, I64 = "*i64", "i64"
 GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_SPLIT": 2, "WARP_SPECIALIZE": False,
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
-LABELLED = ("WAIT_LATE", "TMA")  # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
+LABELLED = ("WAIT_LATE", "TMA_PUSH", "TMA_READ")  # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
 # gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
@@ -53,14 +53,15 @@ PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_pt
              "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n_even": I64, "P": "i32",
              **{f"t{p}": I64 for p in range(8)},
              **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "MOVE", "TAG", "CHUNK", "DEPTH", "BLOCK", "VEC",
-                                         "TABLE_ARGS", "STREAM", "KEEP", "TMA")}}
+                                         "TABLE_ARGS", "STREAM", "KEEP", "TMA_PUSH", "TMA_READ")}}
 PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536,
-         "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "", "KEEP": "", "TMA": False}
+         "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "", "KEEP": "", "TMA_PUSH": False, "TMA_READ": False}
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=True)),
-    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, TMA=True)),  # a large pair's rows by TMA
+    # a large pair's pushes and reads by TMA (CollectiveState.tma_push / tma_read)
+    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, TMA_PUSH=True, TMA_READ=True)),
     (ex._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P,
                          "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
                          "OP": "constexpr", "ACC": "constexpr", "AVG": "constexpr", "IN_PLACE": "constexpr",
@@ -168,7 +169,8 @@ def main() -> None:
             "local_memory": ".local" in ptx, "shared_bytes": kernel.metadata.shared, **_resources(kernel.asm["cubin"]),
             # one thread of the program issues a one-word signal (nvshmemx_signal_op is thread-level)
             "thread0_guard": re.search(r"mov\.u32\s+(%r\d+), %tid\.x;[\s\S]{0,600}?setp\.ne\.b32\s+%p\d+, \1, 0;", ptx) is not None,
-            "tma": "cp.async.bulk.tensor" in ptx, "bulk_wait": "cp.async.bulk.wait_group 0" in ptx, "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
+            "tma": "cp.async.bulk.tensor" in ptx, "bulk_wait": "cp.async.bulk.wait_group 0" in ptx,
+            "proxy_fences": ptx.count("fence.proxy.async.global"), "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
             # abi.take_ticket: a relaxed GPU-scope atomic add hands out the program index
             "ticket": "atom.global.gpu.relaxed.add" in ptx,
             # programmatic dependent launch: a primary lets its dependent start, a dependent waits for its primary

@@ -60,8 +60,9 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     apart: that hung while warps of a program could disagree on its epoch, comm/collectives/_exchange.py "The
     epoch"); CPU ranks keep one program per peer. rs_stagger: odd reduce_scatter columns reduce before they push (the default), or not.
     ring_hints: the staged pairs' loads and stores with L2 eviction policies (their own compiled variant on GPUs).
-    tma: the pairs' whole 256-byte rows by TMA (comm/collectives/_copy.py) at every size (tma_min_bytes 0), each
-    chunk ending in a part row (96-byte rows); also an all_to_all read in place from the heap."""
+    tma: the pairs' pushes and reads by TMA (comm/collectives/_copy.py: whole tiles of 256-byte rows) at every size
+    (tma_min_bytes 0), pairs of whole tiles and a rest (96-byte rows); also an all_to_all read in place from the
+    heap."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -71,7 +72,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
     state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
-                                   ring_hints=ring_hints, tma=tma)
+                                   ring_hints=ring_hints, tma_push=tma, tma_read=tma)
     state.tma_min_bytes = 0
     default, ctx.collectives = ctx.collectives, state
     on_heap = tilecomm.empty((world * (500 + 37 * 2), 24), torch.float32) if tma else None
@@ -246,7 +247,7 @@ def test_ring_steps_are_powers_of_two_for_any_workspace(backend):
                 state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = chunk, st._BLOCK_BYTES, 8, st.DEPTH
                 state._configs, state._max_w, state.rs_stagger = {}, 8, False
                 for elem in (1, 2, 4, 8):
-                    for key in (("pairs", elem, True, True, False, False, False, False),
+                    for key in (("pairs", elem, True, True, False, False, False, False, False),
                                 ("reduce", elem, True, 0, False, False, "acc")):
                         c = state._launch_config(key)
                         steps = [c["BLOCK"]] + ([c["PUSH_BLOCK"]] if "PUSH_BLOCK" in c else [])

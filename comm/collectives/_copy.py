@@ -1,14 +1,15 @@
-"""How the collectives' kernels move a run of elements: `copy_elements` (vector loads and stores) and `move`
-(whole 256-byte rows by TMA where the launch asks for it, the rest by `copy_elements`).
+"""How the collectives' kernels move a run of elements: `copy_elements` (vector loads and stores), and `move`:
+the same, or with its whole tiles of 256-byte rows by TMA (sm_90+) where the launch asks for it.
 
-TMA (sm_90+): a chunk is viewed as rows of 256 bytes and moved in tiles of 32 rows (8 KiB), a tile load
-from the source's descriptor and a tile store through the destination's, either of which may be a peer's
-heap as mapped here. One program then keeps several 8 KiB transfers in flight with a handful of
-instructions, where vector loads and stores need a thread per 16 bytes: 4 H200s (2026-11-27, tests/
-a2a_engine_probe.py) moved an all_to_all's 4096x7168 bf16 at 322 GB/s per GPU by TMA stores to the peers
-against 196 by vector stores (NCCL 252, tilecomm's exchange then 270), and lost at 128x7168 (28 GB/s
-against 40: a program's share there is under one tile, and building two descriptors costs more than it
-moves). So the launch asks for TMA only for large pairs (CollectiveState's TMA_MIN_BYTES).
+TMA: a pair's data is viewed as rows of 256 bytes and moved in tiles of 32 rows (8 KiB), each a tile load from
+the source's descriptor and a tile store through the destination's (`row_desc`: either may be a peer's heap as
+mapped here), so one program keeps 8 KiB transfers going with a handful of instructions where vector loads and
+stores need a thread per 16 bytes. On 4 H200s (2026-11-27, tests/a2a_engine_probe.py) TMA stores to the peers
+moved an all_to_all's 4096x7168 bf16 at 322 GB/s per GPU, against 196 by vector stores (NCCL 252, tilecomm's
+exchange 270), and lost at 128x7168 (28 GB/s against 40: a program's share there is under one tile). In the
+exchange itself, with two descriptors built per chunk for every copy, it lost (198.8 µs staged against ~162):
+the pairs kernel now builds each descriptor once per program and takes TMA for the pushes and the reads
+separately (CollectiveState.tma_push / tma_read, off by default until measured).
 """
 from __future__ import annotations
 
@@ -56,31 +57,32 @@ def load(ptrs, mask, POLICY: tl.constexpr):
 
 
 @jit
-def tma_rows(dst, src, n):
-    """dst[:m] = src[:m] by TMA for m = n rounded down to whole ROW_BYTES rows; returns m. dst and src are
-    16-byte aligned (either may be a peer's, as mapped here). Fenced on both sides: reads see what this
-    program acquired before (a peer's signalled data), and the writes are complete, ordered before this
-    program's later signals (tcl.proxy_fence, tcl.bulk_wait)."""
-    ROW: tl.constexpr = ROW_BYTES // (dst.dtype.element_ty.primitive_bitwidth // 8)
-    rows = (n // ROW).to(tl.int32)  # (a chunk: at most a ring slot)
-    if rows > 0:
-        ordered = tcl.proxy_fence(tl.full((), 0, tl.int32))
-        src_desc = tl.make_tensor_descriptor(src + ordered, [rows, ROW], [ROW, 1], [TILE_ROWS, ROW])
-        dst_desc = tl.make_tensor_descriptor(dst, [rows, ROW], [ROW, 1], [TILE_ROWS, ROW])
-        for r in range(0, rows, TILE_ROWS):
-            dst_desc.store([r, 0], src_desc.load([r, 0]))
-        tcl.bulk_wait(tl.full((), 0, tl.int32))
-    return rows.to(tl.int64) * ROW
+def row_desc(ptr, n):
+    """A TMA descriptor of ptr's first n elements as whole ROW_BYTES rows, moved in tiles of TILE_ROWS rows
+    (at least one row: a descriptor of none is not allowed; `move` never reads or writes past n). ptr is
+    16-byte aligned; it may be a peer's heap as mapped here."""
+    ROW: tl.constexpr = ROW_BYTES // (ptr.dtype.element_ty.primitive_bitwidth // 8)
+    rows = tl.maximum(n // ROW, 1).to(tl.int32)
+    return tl.make_tensor_descriptor(ptr, [rows, ROW], [ROW, 1], [TILE_ROWS, ROW])
 
 
 @jit
-def move(dst_ptr, dst_off, src_ptr, src_off, n, BLOCK: tl.constexpr, VEC: tl.constexpr, LOAD_POLICY: tl.constexpr,
-         STORE_POLICY: tl.constexpr, TMA: tl.constexpr):
-    """`copy_elements`, with the whole rows by `tma_rows` first where TMA (the launch asks for it only where the
-    offsets are 16-byte multiples: VEC = 16 bytes)."""
+def move(dst_desc, dst_ptr, dst_off, dst_row, src_desc, src_ptr, src_off, src_row, n, BLOCK: tl.constexpr,
+         VEC: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr, TMA: tl.constexpr):
+    """dst[dst_off : dst_off + n] = src[src_off : ...] (`copy_elements`). TMA: the whole tiles first, from row
+    src_row of src_desc to row dst_row of dst_desc (`row_desc`s; the same elements as the offsets name), then
+    the rest (under one tile) by copy_elements. The tiles are fenced on both sides: their loads see what this
+    program acquired before (a peer's signalled data), and their stores are complete, ordered before this
+    program's later signals (tcl.proxy_fence, tcl.bulk_wait). Without TMA the descriptors are not used."""
+    done = n * 0
     if TMA:
-        done = tma_rows(dst_ptr + dst_off, src_ptr + src_off, n)
-        copy_elements(dst_ptr, dst_off + done, src_ptr, src_off + done, n - done, BLOCK, VEC, LOAD_POLICY,
-                      STORE_POLICY)
-    else:
-        copy_elements(dst_ptr, dst_off, src_ptr, src_off, n, BLOCK, VEC, LOAD_POLICY, STORE_POLICY)
+        ROW: tl.constexpr = ROW_BYTES // (dst_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        rows = (n // (ROW * TILE_ROWS) * TILE_ROWS).to(tl.int32)  # (a chunk: at most a ring slot)
+        if rows > 0:
+            tcl.proxy_fence(tl.full((), 0, tl.int32))  # (not pure: kept, and kept before the loads)
+            for r in range(0, rows, TILE_ROWS):
+                tile = src_desc.load([tl.cast(src_row + r, tl.int32), 0])
+                dst_desc.store([tl.cast(dst_row + r, tl.int32), 0], tile)
+            tcl.bulk_wait(tl.full((), 0, tl.int32))
+        done = rows.to(tl.int64) * ROW
+    copy_elements(dst_ptr, dst_off + done, src_ptr, src_off + done, n - done, BLOCK, VEC, LOAD_POLICY, STORE_POLICY)

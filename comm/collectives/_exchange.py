@@ -70,7 +70,7 @@ import triton.language as tl
 from .. import language as tcl
 from ..jit import jit
 from ..language.abi import ERR_COUNT_MISMATCH, ERR_OP_MISMATCH, record_error, take_ticket
-from ._copy import copy_elements, load, move
+from ._copy import ROW_BYTES, copy_elements, load, move, row_desc
 
 # The header's tag: which collective a rank is in, and its element size (ranks must call the same ones
 # in the same order; a reader that finds another tag records ERR_OP_MISMATCH).
@@ -186,7 +186,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
                   EVEN: tl.constexpr, GATHER: tl.constexpr, IN_PLACE: tl.constexpr, MOVE: tl.constexpr,
                   TAG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                   VEC: tl.constexpr, TABLE_ARGS: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
-                  TMA: tl.constexpr):
+                  TMA_PUSH: tl.constexpr, TMA_READ: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
     the input). in, out and heap are moved as MOVE (an integer type of the element's width, so the
     caller passes its tensors as they are). Offsets and counts in elements; with EVEN every pair moves
@@ -194,8 +194,10 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     received from p (high 32 bits), so no program reads a table; else
     table[2p], table[2p + 1] are (offset, count) sent to p and table[2W + 2p], ... received from p
     (pinned host memory). STREAM / KEEP: the L2 eviction policies of a staged pair's data read or written once
-    (its input, its output) and of the ring (CollectiveState.ring_hints; "" for none). TMA: whole 256-byte rows
-    of each chunk move by TMA (_copy.move)."""
+    (its input, its output) and of the ring (CollectiveState.ring_hints; "" for none). TMA_PUSH / TMA_READ: a
+    writer's pushes / a reader's copies move their whole tiles of 256-byte rows by TMA (_copy.move), through
+    descriptors made once per program: the pair's input and the ring region on dst / this rank's output and what
+    it reads (its own ring region, or src's input in place)."""
     in_ptr = in_ptr.to(tl.pointer_type(MOVE))
     out_ptr = out_ptr.to(tl.pointer_type(MOVE))
     heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
@@ -228,6 +230,13 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     # my ring region on dst (and dst's words) hold what I sent in my previous call until dst's final done
     slot0 = ring_off + pid * DEPTH * CHUNK
     peer_dst = _peer_delta(heap_ptr, dst)
+    ROW: tl.constexpr = ROW_BYTES // (MOVE.primitive_bitwidth // 8)
+    SLOT_ROWS: tl.constexpr = CHUNK // ROW
+    if TMA_PUSH:
+        in_desc = row_desc(in_ptr + s_off, s_cnt)
+        ring_desc = row_desc(heap_ptr + peer_dst + slot0, DEPTH * CHUNK)
+    else:
+        in_desc, ring_desc = in_ptr, heap_ptr
     if e > 1:
         tcl.wait(done_ptr + pid, base - 1, tcl.CMP_GE)
     # staged: chunk 0 goes into dst's ring slot 0 before the header, whose signal then also says "chunk 0 ready"
@@ -235,8 +244,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     n_send = _chunks_of(s_cnt, q, P, s_chunk) * (1 - IN_PLACE)
     if n_send > 0:
         c0 = q.to(tl.int64) * s_chunk
-        move(heap_ptr, peer_dst + slot0, in_ptr, s_off + c0, tl.minimum(s_chunk, s_cnt - c0), BLOCK, VEC, STREAM,
-             KEEP, TMA)
+        move(ring_desc, heap_ptr, peer_dst + slot0, 0, in_desc, in_ptr, s_off + c0, c0 // ROW,
+             tl.minimum(s_chunk, s_cnt - c0), BLOCK, VEC, STREAM, KEEP, TMA_PUSH)
     _publish(tcl.symm_at(meta_ptr, dst), ready_ptr, pid, dst, in_heap_off + s_off, s_cnt, IN_PLACE, TAG,
              tl.where(n_send > 0, base + 1, base))
     remote_off, cnt, remote_in_place, offered = _read_header(meta_ptr, ready_ptr, err_ptr, pid, src, r_cnt, base,
@@ -246,25 +255,33 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     r_chunk = _chunk_size(offered, P, CHUNK)
     n_recv = _chunks_of(cnt, q, P, r_chunk)
     peer_src = _peer_delta(heap_ptr, src)
+    if TMA_READ:
+        out_desc = row_desc(out_ptr + r_off, cnt)
+        staged = remote_in_place == 0
+        read_desc = row_desc(tl.where(staged, heap_ptr + slot0, heap_ptr + peer_src + remote_off),
+                             tl.where(staged, DEPTH * CHUNK, cnt))
+    else:
+        out_desc, read_desc = out_ptr, heap_ptr
     for i in range(0, tl.maximum(n_send, n_recv)):
         slot = slot0 + (i % DEPTH) * CHUNK
         if (i > 0) & (i < n_send):
             c = (q + i * P).to(tl.int64) * s_chunk
             if i >= DEPTH:  # the reader must be done with what this ring slot held
                 tcl.wait(done_ptr + pid, base + i - DEPTH + 1, tcl.CMP_GE)
-            move(heap_ptr, peer_dst + slot, in_ptr, s_off + c, tl.minimum(s_chunk, s_cnt - c), BLOCK, VEC, STREAM,
-                 KEEP, TMA)
+            move(ring_desc, heap_ptr, peer_dst + slot, (i % DEPTH) * SLOT_ROWS, in_desc, in_ptr, s_off + c, c // ROW,
+                 tl.minimum(s_chunk, s_cnt - c), BLOCK, VEC, STREAM, KEEP, TMA_PUSH)
             tcl.signal(ready_ptr + pid, base + i + 1, dst, tcl.SIGNAL_SET)
         if i < n_recv:
             c = (q + i * P).to(tl.int64) * r_chunk
             if remote_in_place == 0:
                 tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
-                move(out_ptr, r_off + c, heap_ptr, slot, tl.minimum(r_chunk, cnt - c), BLOCK, VEC, KEEP, STREAM, TMA)
+                move(out_desc, out_ptr, r_off + c, c // ROW, read_desc, heap_ptr, slot, (i % DEPTH) * SLOT_ROWS,
+                     tl.minimum(r_chunk, cnt - c), BLOCK, VEC, KEEP, STREAM, TMA_READ)
                 if i < n_recv - 1:  # the last chunk's "done" is the final signal below
                     tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:
-                move(out_ptr, r_off + c, heap_ptr, peer_src + remote_off + c, tl.minimum(r_chunk, cnt - c),
-                     BLOCK, VEC, "", "", TMA)
+                move(out_desc, out_ptr, r_off + c, c // ROW, read_desc, heap_ptr, peer_src + remote_off + c, c // ROW,
+                     tl.minimum(r_chunk, cnt - c), BLOCK, VEC, "", "", TMA_READ)
     # finish: src may reuse my ring region and words; my input, where dst reads it in place, is free once dst
     # says it is done
     tcl.signal(done_ptr + pid, last, src, tcl.SIGNAL_SET)

@@ -24,10 +24,12 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
                        the copy added 17 GPU µs and 12-17 host µs to a 128-row uneven all_to_all, on 2 H100s it cut
                        the kernel from 35 to 18 µs but the call from 70 to 96 µs.)
 
-On sm_90+ GPUs the pairs kernel moves a large pair's whole 256-byte rows by TMA (`tma`, _copy.py): where a
-program's share of the pair is at least `tma_min_bytes`; below it building the descriptors costs more than they move.
+`tma_push` / `tma_read` (sm_90+ GPUs; off by default, BENCHMARKS.md 2026-11-27 from 21:01 UTC): the pairs kernel's
+writers push / readers copy a large pair's whole tiles of 256-byte rows by TMA (_copy.py), where a program's share
+of the pair is at least `tma_min_bytes`; below it building the descriptors costs more than they move.
 
-Nothing is allocated per call (but a TMA call's descriptor scratch: Triton's, 256 bytes a program). `free()` (called by `tilecomm.finalize`) returns the heap space.
+Nothing is allocated per call (but a TMA call's descriptor scratch, Triton's: 128 bytes a descriptor and
+program). `free()` (called by `tilecomm.finalize`) returns the heap space.
 Any transfer size works: data streams through the ring. Calls are ordered on the current stream;
 a call returns once its kernel is queued.
 """
@@ -123,9 +125,12 @@ class CollectiveState:
     # L2 instead of written back (off by default: not measured yet; a staged all_gather at world 1 costs two copies
     # whatever the ring's size, BENCHMARKS.md 2026-11-27)
     ring_hints: bool = False
-    # all_to_all / all_gather: whole 256-byte rows of a pair by TMA (sm_90+ GPUs, 16-byte aligned calls) where each
-    # program's share is at least tma_min_bytes (TMA_MIN_BYTES; CPU tests set 0 to run the path on small pairs)
-    tma: bool = False
+    # all_to_all / all_gather (16-byte aligned calls): the writers' pushes (tma_push) and the readers' copies
+    # (tma_read) of a pair by TMA where each program's share is at least tma_min_bytes (TMA_MIN_BYTES; CPU tests set 0
+    # to run the path on small pairs). Off by default: on 4 H200s (2026-11-27) TMA for both, one descriptor pair per
+    # chunk, took an all_to_all 4096x7168 from ~162 to 198.8 µs staged, 165.0 in place (NCCL 175.8)
+    tma_push: bool = False
+    tma_read: bool = False
     tma_min_bytes: int = TMA_MIN_BYTES
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
@@ -156,13 +161,13 @@ class CollectiveState:
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
-               ring_hints: bool = False, tma: Optional[bool] = None) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints: the tuning knobs (GPU; the
-        benchmarks sweep them). tma: None for "on sm_90+ GPUs"."""
+               ring_hints: bool = False, tma_push: bool = False, tma_read: bool = False) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read: the tuning
+        knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs)."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
-        if tma is None:
-            tma = on_gpu and torch.cuda.get_device_capability(ctx.device)[0] >= 9
+        require(not (on_gpu and (tma_push or tma_read)) or torch.cuda.get_device_capability(ctx.device)[0] >= 9,
+                "CollectiveState.create: tma_push / tma_read need an sm_90+ GPU (TMA)", ValueError)
         if on_gpu:
             sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
             chunk = chunk_bytes or _GPU_CHUNK_BYTES
@@ -192,7 +197,7 @@ class CollectiveState:
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
-                   rs_stagger, ring_hints=ring_hints, tma=tma, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
+                   rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
@@ -243,7 +248,7 @@ class CollectiveState:
 
     def _launch_config(self, key: tuple) -> dict:
         """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the
-        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS, TMA for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
+        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS, TMA_PUSH, TMA_READ for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
         config = self._configs.get(key)
         if config is None:
             kernel, elem, aligned = key[:3]
@@ -254,8 +259,9 @@ class CollectiveState:
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
                           num_warps=self.num_warps)
             if kernel == "pairs":
-                even, gather, in_place, table_args, tma = key[3:]
-                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, TMA=tma,
+                even, gather, in_place, table_args, push, read = key[3:]
+                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, TMA_PUSH=push,
+                              TMA_READ=read,
                               MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem), STREAM="evict_first" if self.ring_hints else "",
                               KEEP="evict_last" if self.ring_hints else "")
             else:
@@ -296,10 +302,11 @@ class CollectiveState:
         in_heap_off, in_place = self._placement(src, send_ok)
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
         largest = n_even if even else max(max(in_rows), max(out_rows)) * row
-        tma = self.tma and aligned and largest * elem >= self.programs_per_peer * self.tma_min_bytes
-        if tma:
+        large = aligned and largest * elem >= self.programs_per_peer * self.tma_min_bytes
+        push, read = self.tma_push and large, self.tma_read and large
+        if push or read:
             prepare_tma()
-        key = ("pairs", elem, aligned, even, gather, in_place, table_args, tma)
+        key = ("pairs", elem, aligned, even, gather, in_place, table_args, push, read)
         bound = self._bound.get((src.dtype, out.dtype) + key)
         if bound is None:  # varying: src, out, in_heap_off, then the packed counts, or the table and n_even
             varying = (0, 1, 7) + tuple(range(10, 10 + TABLE_ARG_RANKS)) if table_args else (0, 1, 4, 7, 8)
