@@ -7,9 +7,11 @@ mapped here), so one program keeps 8 KiB transfers going with a handful of instr
 stores need a thread per 16 bytes. On 4 H200s (2026-11-27, tests/a2a_engine_probe.py) TMA stores to the peers
 moved an all_to_all's 4096x7168 bf16 at 322 GB/s per GPU, against 196 by vector stores (NCCL 252, tilecomm's
 exchange 270), and lost at 128x7168 (28 GB/s against 40: a program's share there is under one tile). In the
-exchange itself, with two descriptors built per chunk for every copy, it lost (198.8 µs staged against ~162):
-the pairs kernel now builds each descriptor once per program and takes TMA for the pushes and the reads
-separately (CollectiveState.tma_push / tma_read, off by default until measured).
+exchange itself it does not pay (4 H200s, one run of the probe, 4096x7168): staged 163.1 µs by vector copies,
+174.4 with TMA pushes, 195.7 with TMA pushes and reads; in place 166.8, 161.4 with TMA reads. The bare pushes
+never wait for their stores; the exchange's writer waits for each chunk's stores to complete before it signals
+the chunk (tcl.bulk_wait: a round trip over NVLink per 128 KiB chunk), and its staged reader copies the ring out
+8 KiB at a time. So TMA stays two knobs, off by default (CollectiveState.tma_push / tma_read).
 """
 from __future__ import annotations
 

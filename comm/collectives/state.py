@@ -127,8 +127,9 @@ class CollectiveState:
     ring_hints: bool = False
     # all_to_all / all_gather (16-byte aligned calls): the writers' pushes (tma_push) and the readers' copies
     # (tma_read) of a pair by TMA where each program's share is at least tma_min_bytes (TMA_MIN_BYTES; CPU tests set 0
-    # to run the path on small pairs). Off by default: on 4 H200s (2026-11-27) TMA for both, one descriptor pair per
-    # chunk, took an all_to_all 4096x7168 from ~162 to 198.8 µs staged, 165.0 in place (NCCL 175.8)
+    # to run the path on small pairs). Off by default: on 4 H200s (2026-11-27, tests/a2a_engine_probe.py, one run) an
+    # all_to_all 4096x7168 bf16 took 163.1 µs staged, 174.4 with tma_push, 195.7 with both; in place 166.8, 161.4 with
+    # tma_read (NCCL 184.2; the probe's bare TMA pushes, no protocol, 140.6)
     tma_push: bool = False
     tma_read: bool = False
     tma_min_bytes: int = TMA_MIN_BYTES
