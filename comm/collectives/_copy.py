@@ -10,8 +10,9 @@ exchange 270), and lost at 128x7168 (28 GB/s against 40: a program's share there
 exchange itself it does not pay (4 H200s, one run of the probe, 4096x7168): staged 163.1 µs by vector copies,
 174.4 with TMA pushes, 195.7 with TMA pushes and reads; in place 166.8, 161.4 with TMA reads. The bare pushes
 never wait for their stores; the exchange's writer waits for each chunk's stores to complete before it signals
-the chunk (tcl.bulk_wait: a round trip over NVLink per 128 KiB chunk), and its staged reader copies the ring out
-8 KiB at a time. So TMA stays two knobs, off by default (CollectiveState.tma_push / tma_read).
+the chunk (tcl.bulk_wait: a round trip over NVLink per 128 KiB chunk), and its staged reader copied the ring out
+one 8 KiB tile at a time (that loop is pipelined since, untimed). So TMA stays two knobs, off by default
+(CollectiveState.tma_push / tma_read).
 """
 from __future__ import annotations
 
@@ -82,7 +83,9 @@ def move(dst_desc, dst_ptr, dst_off, dst_row, src_desc, src_ptr, src_off, src_ro
         rows = (n // (ROW * TILE_ROWS) * TILE_ROWS).to(tl.int32)  # (a chunk: at most a ring slot)
         if rows > 0:
             tcl.proxy_fence(tl.full((), 0, tl.int32))  # (not pure: kept, and kept before the loads)
-            for r in range(0, rows, TILE_ROWS):
+            # pipelined: the next tiles' loads in flight while a tile is stored (a plain loop kept one tile in
+            # flight, 16 KiB of shared memory; this one takes 24 KiB, compiled for sm_90, not yet timed on a GPU)
+            for r in tl.range(0, rows, TILE_ROWS, num_stages=3):
                 tile = src_desc.load([tl.cast(src_row + r, tl.int32), 0])
                 dst_desc.store([tl.cast(dst_row + r, tl.int32), 0], tile)
             tcl.bulk_wait(tl.full((), 0, tl.int32))
