@@ -51,14 +51,14 @@ from tilecomm.dispatch.buffers import Spec, SymmetricState
 from tilecomm.dispatch.dispatcher import Dispatcher
 from tilecomm.dispatch.normal import _BIG, _route_kernel
 from tilecomm.errors import PeerMismatchError
-from tilecomm.jit import CachedLaunch, cdiv, next_pow2
+from tilecomm.jit import CachedLaunch, cdiv, next_pow2, prepare_tma
 
 from .grouped import _wgrad
 from .moe_comm import _reduce_kernel, _send_kernel
 from .moe_gemm import _down_grad_kernel, _gate_up_kernel, _gather_kernel, _scatter_kernel
 from .moe_config import FusedGemm, FusedMoEConfig
 from .team import _RELEASE, team_of
-from .tiles import dot_precision, num_programs, prepare_tma, tma_operand
+from .tiles import dot_precision, num_programs, tma_operand
 
 _P2 = next_pow2
 

@@ -38,7 +38,8 @@ I64P, I64 = "*i64", "i64"
 GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_SPLIT": 2, "WARP_SPECIALIZE": False,
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
-LABELLED = ("WAIT_LATE", "TMA_PUSH", "TMA_READ")  # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
+# constexpr flags whose True variant is a case of its own (named kernel+FLAG)
+LABELLED = ("WAIT_LATE", "TMA_PUSH", "TMA_READ")
 # gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",

@@ -66,8 +66,9 @@ _GPU_PROGRAMS_PER_SM = 2
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
 _BLOCK_BYTES = 32 << 10
-# A pair moves by TMA where each of its P programs moves at least this much (a 128-row all_to_all on 4 H200s
-# gives a program 7 KiB, under one 8 KiB tile: slower by TMA; a 4096-row one 222 KiB: faster; _copy.py).
+# With tma_push / tma_read, a pair moves by TMA where each of its P programs moves at least this much: bare TMA pushes
+# (tests/a2a_engine_probe.py, 4 H200s) lost at 128x7168, a program's 7 KiB under one 8 KiB tile, and won at 4096x7168,
+# 222 KiB a program (_copy.py).
 TMA_MIN_BYTES = 64 << 10
 # Element types moved bit for bit as an integer of the same width (all_to_all, all_gather).
 _BITS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -198,7 +199,8 @@ class CollectiveState:
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
-                   rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read, _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
+                   rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read,
+                   _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
@@ -249,7 +251,8 @@ class CollectiveState:
 
     def _launch_config(self, key: tuple) -> dict:
         """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the
-        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS, TMA_PUSH, TMA_READ for pairs; OP, AVG, IN_PLACE, accumulator for reduce)."""
+        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS, TMA_PUSH, TMA_READ for pairs; OP, AVG, IN_PLACE,
+        accumulator for reduce)."""
         config = self._configs.get(key)
         if config is None:
             kernel, elem, aligned = key[:3]
@@ -262,8 +265,8 @@ class CollectiveState:
             if kernel == "pairs":
                 even, gather, in_place, table_args, push, read = key[3:]
                 config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, TMA_PUSH=push,
-                              TMA_READ=read,
-                              MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem), STREAM="evict_first" if self.ring_hints else "",
+                              TMA_READ=read, MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem),
+                              STREAM="evict_first" if self.ring_hints else "",
                               KEEP="evict_last" if self.ring_hints else "")
             else:
                 op, average, in_place, acc = key[3:]
@@ -302,11 +305,13 @@ class CollectiveState:
                 table = self._table(_split_table(in_rows, out_rows, row), capturing)
         in_heap_off, in_place = self._placement(src, send_ok)
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
-        largest = n_even if even else max(max(in_rows), max(out_rows)) * row
-        large = aligned and largest * elem >= self.programs_per_peer * self.tma_min_bytes
-        push, read = self.tma_push and large, self.tma_read and large
-        if push or read:
-            prepare_tma()
+        push = read = False
+        if self.tma_push or self.tma_read:  # (off by default: the common call computes nothing here)
+            largest = n_even if even else max(max(in_rows), max(out_rows)) * row
+            large = aligned and largest * elem >= self.programs_per_peer * self.tma_min_bytes
+            push, read = self.tma_push and large, self.tma_read and large
+            if push or read:
+                prepare_tma()
         key = ("pairs", elem, aligned, even, gather, in_place, table_args, push, read)
         bound = self._bound.get((src.dtype, out.dtype) + key)
         if bound is None:  # varying: src, out, in_heap_off, then the packed counts, or the table and n_even
