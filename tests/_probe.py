@@ -1,5 +1,8 @@
-"""What the tuning probes (ll_probe.py, dispatch_probe.py) share: running one body per config variant."""
+"""What the probes share: running one body per config variant (ll_probe.py, dispatch_probe.py), routed tokens,
+and a collective's bf16 input and output (collective_sweep.py, comm_profile.py)."""
 import torch
+
+import tilecomm
 
 
 def sweep_configs(config_cls, variants, hidden, body, world=1):
@@ -33,3 +36,18 @@ def routed_tokens(tokens, hidden, experts, topk, seed=0):
     idx = torch.rand(tokens, experts, device="cuda", generator=gen).topk(topk, dim=1).indices
     w = torch.softmax(torch.randn(tokens, topk, device="cuda", generator=gen), dim=1)
     return x, idx, w
+
+
+def collective_tensors(op, shape, world, heap_input=False, heap_output=False):
+    """(input, output) bf16 on the GPU for `op` ("all_to_all", "all_gather", "reduce_scatter") of the gathered
+    `shape` over `world` ranks, random input; either on the symmetric heap (tilecomm.empty) where asked."""
+    rows, cols = shape
+    part = (rows // world, cols)
+    in_shape, out_shape = {"all_to_all": (shape, shape), "all_gather": (part, shape),
+                           "reduce_scatter": (shape, part)}[op]
+    x = torch.randn(in_shape, device="cuda").to(torch.bfloat16)
+    if heap_input:
+        x = tilecomm.empty(in_shape, torch.bfloat16).copy_(x)
+    out = tilecomm.empty(out_shape, torch.bfloat16) if heap_output else \
+        torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
+    return x, out

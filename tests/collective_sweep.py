@@ -30,22 +30,11 @@ import tilecomm
 from tilecomm.bench import measure
 from tilecomm.collectives.state import DEPTH, CollectiveState
 
+from _probe import collective_tensors
+
 CASES = [("all_to_all", (4096, 7168)), ("all_to_all", (128, 7168)), ("all_gather", (8192, 8192)),
          ("reduce_scatter", (8192, 8192))]
 DEFAULT_CONFIGS = "2/128/32,2/128/32/2/0,3/128/32,1/256/32,2/256/32"
-
-
-def _tensors(op, shape, world, heap=False):
-    rows, cols = shape
-    part = (rows // world, cols)
-    in_shape, out_shape = {"all_to_all": (shape, shape), "all_gather": (part, shape),
-                           "reduce_scatter": (shape, part)}[op]
-    x = torch.randn(in_shape, device="cuda").to(torch.bfloat16)
-    if heap:
-        on_heap = tilecomm.empty(in_shape, torch.bfloat16)
-        on_heap.copy_(x)
-        return on_heap, tilecomm.empty(out_shape, torch.bfloat16)
-    return x, torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
 
 
 def _ranges(ids) -> str:
@@ -118,7 +107,7 @@ def main():
     theirs = {"all_to_all": dist.all_to_all_single, "all_gather": dist.all_gather_into_tensor,
               "reduce_scatter": dist.reduce_scatter_tensor}
     cases = CASES + ([(op, shape, "heap") for op, shape in CASES] if args.heap else [])
-    tensors = {case: _tensors(case[0], case[1], world, len(case) > 2) for case in cases}
+    tensors = {case: collective_tensors(case[0], case[1], world, len(case) > 2, len(case) > 2) for case in cases}
     nccl = {}
     for case in cases:
         x, out = tensors[case]

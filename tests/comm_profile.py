@@ -22,6 +22,8 @@ from tilecomm.bench import measure
 from tilecomm.bench.collectives import uneven_splits
 from tilecomm.dispatch import Dispatcher
 
+from _probe import collective_tensors
+
 CASES = [("all_to_all", (128, 7168), False), ("all_to_all", (128, 7168), True),
          ("all_to_all", (4096, 7168), False), ("all_to_all", (4096, 7168), True),
          ("all_gather", (8192, 8192), False), ("reduce_scatter", (8192, 8192), False),
@@ -29,19 +31,6 @@ CASES = [("all_to_all", (128, 7168), False), ("all_to_all", (128, 7168), True),
 UNEVEN = [(128, 7168), (4096, 7168)]  # all_to_all with the bench's --uneven splits
 LOW_LATENCY = dict(tokens=128, hidden=7168, experts=256, topk=8)  # the bench's low-latency dispatch
 NORMAL = dict(tokens=4096, hidden=7168, experts=256, topk=8)  # the bench's normal dispatch (DeepSeek-V3 shape)
-
-
-def _tensors(op, shape, symmetric, world):
-    rows, cols = shape
-    part = (rows // world, cols)
-    in_shape, out_shape = {"all_to_all": (shape, shape), "all_gather": (part, shape),
-                           "reduce_scatter": (shape, part)}[op]
-    x = torch.randn(in_shape, device="cuda").to(torch.bfloat16)
-    if symmetric:
-        heap = tilecomm.empty(in_shape, torch.bfloat16)
-        heap.copy_(x)
-        x = heap
-    return x, torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
 
 
 def _uneven_calls(shape, world, rank):
@@ -140,7 +129,7 @@ def main():
     if rank == 0:
         print(f"world {world}: wall / host / kernel µs per call, kernels per call (rank 0; median of 5 runs of 10 calls back to back)")
     for op, shape, symmetric in CASES:
-        x, out = _tensors(op, shape, symmetric, world)
+        x, out = collective_tensors(op, shape, world, heap_input=symmetric)
         for lib, fn in (("tilecomm", ours[op]), ("nccl", theirs[op])):
             _report(rank, f"{op} {shape[0]}x{shape[1]}{' sym' if symmetric else ''}", lib, lambda fn=fn: fn(out, x))
         if symmetric:
