@@ -56,7 +56,7 @@ from tilecomm.jit import CachedLaunch, cdiv, pdl_available
 
 from tilecomm import stream_ops
 
-from .team import OpWorkspace, push_mode, team_of
+from .team import OpWorkspace, team_of, workspace_team
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
@@ -75,11 +75,7 @@ class AgGemmWorkspace(OpWorkspace):
     is directly reachable and stream writes work, else "kernel"; the choice is in `self.push`)."""
 
     def __init__(self, K: int, dtype: torch.dtype, max_rows: int, group=None, push: str = "auto"):
-        team = team_of(group, "AgGemmWorkspace")
-        for name, v in (("K", K), ("max_rows", max_rows)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"AgGemmWorkspace: {name} must be a positive int, got {v!r}")
-        push = push_mode(push, team, "AgGemmWorkspace")  # (before any allocation: a bad push raises)
+        team, push = workspace_team("AgGemmWorkspace", group, push, K=K, max_rows=max_rows)
         self.K, self.dtype, self.max_rows, self.push = K, dtype, max_rows, push
         super().__init__(team, "tilecomm.overlap.ag_gemm", self.specs(K, dtype, max_rows, team.size))
         # push="copy": every member's gather buffer and flags (this rank's own too), as local views of its heap

@@ -59,7 +59,7 @@ import tilecomm.language as tcl
 from tilecomm import stream_ops
 from tilecomm.jit import CachedLaunch, cdiv
 
-from .team import OpWorkspace, push_mode, release, team_of
+from .team import OpWorkspace, release, team_of, workspace_team
 from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul,
                     resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
@@ -75,11 +75,7 @@ class GemmRsWorkspace(OpWorkspace):
     for the partial blocks on their way out, a stream for the copies and the events that order the two."""
 
     def __init__(self, N: int, dtype: torch.dtype, max_rows: int, group=None, push: str = "auto"):
-        team = team_of(group, "GemmRsWorkspace")
-        for name, v in (("N", N), ("max_rows", max_rows)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"GemmRsWorkspace: {name} must be a positive int, got {v!r}")
-        push = push_mode(push, team, "GemmRsWorkspace")  # (before any allocation: a bad push raises)
+        team, push = workspace_team("GemmRsWorkspace", group, push, N=N, max_rows=max_rows)
         self.N, self.dtype, self.max_rows, self.push = N, dtype, max_rows, push
         super().__init__(team, "tilecomm.overlap.gemm_rs", self.specs(N, dtype, max_rows, team.size, push))
         if push != "copy":

@@ -95,6 +95,16 @@ def push_mode(push: str, team: Team, what: str) -> str:
     return "kernel"
 
 
+def workspace_team(what: str, group, push: str, **sizes) -> tuple[Team, str]:
+    """A fused op's workspace's checks, before anything is allocated: the team of `group`, each size a positive
+    int (ValueError naming it and `what`), then the push mode (`push_mode`, collective). Returns (team, push)."""
+    team = team_of(group, what)
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{what}: {name} must be a positive int, got {v!r}")
+    return team, push_mode(push, team, what)
+
+
 class OpWorkspace(NamedViews):
     """Symmetric buffers of one fused op over one team, allocated once (collectively over the world).
 

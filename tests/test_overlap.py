@@ -275,6 +275,10 @@ def bad_overlap_inputs():
         AgGemmWorkspace(8, torch.float32, 4, push="sideways")
     with pytest.raises(ValueError, match="GemmRsWorkspace: push='sideways'; expected one of"):
         GemmRsWorkspace(8, torch.float32, 4, push="sideways")
+    with pytest.raises(ValueError, match="AgGemmWorkspace: K must be a positive int, got 0"):
+        AgGemmWorkspace(0, torch.float32, 4)
+    with pytest.raises(ValueError, match="GemmRsWorkspace: max_rows must be a positive int, got True"):
+        GemmRsWorkspace(8, torch.float32, True)
     ws = AgGemmWorkspace(8, torch.float32, 4)
     with pytest.raises(ValueError, match="does not fit the workspace"):
         ag_gemm(randn(5, 8), b, workspace=ws)  # more rows than max_rows
