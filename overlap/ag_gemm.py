@@ -5,7 +5,8 @@
 
 Member me puts its shard into slot me of every other member's symmetric gather buffer (and of its own, where its
 GEMM reads the own shard from there) and SETs that member's flag to the call's epoch, members in the order they
-read it; the GEMM computes the own shard's rows first, then shard me+1, me+2, ..., each once its flag is set. Two ways (`AgGemmWorkspace.push`):
+read it; the GEMM computes the own shard's rows first, then shard me+1, me+2, ..., each once its flag is set.
+Two ways (`AgGemmWorkspace.push`):
 
 * "copy" (every member directly reachable: NVLink peers, CPU ranks). On the workspace's stream the copy engine
   moves the shard into each peer's heap, one memcpy per member by address (a StreamIssuer made with the
@@ -15,7 +16,9 @@ read it; the GEMM computes the own shard's rows first, then shard me+1, me+2, ..
   TMA GEMM (below) computes the W - 1 peer shards' rows, each tile once its shard's flag is set.
   Measured on 4 H200s (BENCHMARKS.md, 2026-11-27): feeding the fused GEMM all W shards (own one included) took
   the small shape 8192x4096x3584 to 1.19x cuBLAS, the large one to 1.07x; one cuBLAS GEMM per shard, each behind
-  a wait kernel, to 1.23x / 1.13x. This form: 1.07x / 1.05x on 2 H200s, not yet measured on 4.
+  a wait kernel, to 1.23x / 1.13x. This form: 1.07x / 1.05x on 2 H200s, 1.24x / 1.09x on 4 (2026-11-27 from
+  21:01 UTC): at W = 4 the small shape's W row-block GEMMs alone cost 1.20x the whole one, and the persistent
+  GEMM alone 1.11x cuBLAS.
   (OWN_SHARD_BY_CUBLAS = False: the copy engine also copies the own shard into its gather slot and the
   persistent GEMM computes all W shards, for comparison.)
 * "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
@@ -174,8 +177,8 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = Fals
     """all_gather(a_shard) @ b over `group`'s W ranks, rows in group-rank order: [W*m, n]. With
     return_gathered, also the gathered A [W*m, K] (a copy). b may be row- or column-major. workspace:
     an AgGemmWorkspace for this group, K and dtype (None: a temporary one, made and freed in the call;
-    slower). config: the fused kernel's tiles under push="kernel" (tiles.resolve_config;
-    push="copy" runs cuBLAS). Collective over the group (None: the world)."""
+    slower). config: the persistent GEMM's tiles (tiles.resolve_config): every shard under push="kernel",
+    the peer shards under push="copy" (the own shard is cuBLAS's). Collective over the group (None: the world)."""
     what = "tilecomm.overlap.ag_gemm"
     team = _check(what, a_shard, b, group, workspace)
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
@@ -211,7 +214,8 @@ def _push_by_copy(a_shard: torch.Tensor, ws: AgGemmWorkspace, epoch: int, team, 
     for step in range(first_step, W):
         dest = (me - step) % W  # reads this shard at its step `step`
         if ws.gather.shape[-1] == K:
-            ws.issuer.copy(ws.peer_gather_addr[dest] + ((epoch % 2) * W + me) * slot_bytes, a_shard.data_ptr(), m * row)
+            ws.issuer.copy(ws.peer_gather_addr[dest] + ((epoch % 2) * W + me) * slot_bytes, a_shard.data_ptr(),
+                           m * row)
             ws.issuer.write(ws.peer_flags_addr[dest] + me * flag_stride * 8, epoch)
             continue
         with torch.cuda.stream(ws.stream) if ws.stream is not None else contextlib.nullcontext():
@@ -240,8 +244,8 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
         flag_rows = m  # one flag per shard
     else:
         with torch.cuda.stream(ws.stream) if side_stream else contextlib.nullcontext():
-            _PUSH.launch((W, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a_shard.dtype, cfg.BLOCK_M, pdl), a_shard, g,
-                         ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), cdiv(ws.max_rows, MIN_BLOCK_M),
+            _PUSH.launch((W, min(cdiv(m, cfg.BLOCK_M), _PUSH_PROGRAMS)), (a_shard.dtype, cfg.BLOCK_M, pdl), a_shard,
+                         g, ws.flags, team.pes, epoch, m, K, g.stride(1), g.stride(0), cdiv(ws.max_rows, MIN_BLOCK_M),
                          me, W, BLOCK_M=cfg.BLOCK_M, PDL=pdl)
         flag_rows = cfg.BLOCK_M  # one flag per row tile
     if W > first_step:

@@ -17,10 +17,10 @@ kernel below run over the own tiles only: each tile's main loop, then a wait for
 the block the last member computed for this rank is still on its way while the own block is computed), then
 the slots added in the epilogue and the sum stored into `out`. On 2 H200s that was slower (402.2 µs against
 372.9 for 8192x3584x4096: the peer's 33.5 MB block lands ~90 µs into the own block, so the first tiles wait;
-2026-11-27 from 19:26 UTC); at W = 4 the block is half that and lands about when the first tiles reach their
-epilogue (not measured there yet). At W = 1 there is nothing to add: the op is cuBLAS's GEMM. The recv buffer is
-double-buffered by call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1 used:
-ag_gemm's argument, module docstring there). The fused kernel as the whole op (below) took 1.37x / 1.15x, its
+2026-11-27 from 19:26 UTC), and on 4 H200s too (405.7 µs against 390.2, 2026-11-27 from 21:01 UTC). At
+W = 1 there is nothing to add: the op is cuBLAS's GEMM. The recv buffer is double-buffered by call parity, so
+no copy waits for its reader (call e + 1 writes the half call e - 1 used: ag_gemm's argument, module docstring
+there). The fused kernel as the whole op (below) took 1.37x / 1.15x, its
 tile stores over NVLink stalling the math.
 
 "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping). One persistent kernel (the
@@ -290,10 +290,7 @@ def _add_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_st
     """push="copy": out[i] += the other members' slots' element i, members me + 1, me + 2, ... in turn (fp32; recv
     [W, slot_stride] of this call's parity), for this program's BLOCK elements, once every other member's flag
     says its block of this call has landed."""
-    g = me
-    for s in range(1, W):
-        tok = tcl.wait(flags_ptr + (me + s) % W, epoch, tcl.CMP_GE)
-        g = tcl.consume_token(g, tok).to(tl.int32)
+    g = _wait_parts(flags_ptr, me, W, 1, 0, epoch)  # (one flag per member)
     offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(out_ptr + offs, mask=mask, other=0).to(tl.float32)
@@ -307,7 +304,7 @@ _ADD_SLOTS = CachedLaunch(_add_slots_kernel)
 _ADD_BLOCK = 4096  # elements per program of _add_slots_kernel
 # push="copy" at W > 1: True: the own block and the sum of the slots in the fused kernel (its own tiles,
 # WAIT_LATE); False: cuBLAS's GEMM of the own block, then _add_slots_kernel (module docstring; the faster one
-# measured, on 2 H200s: 372.9 µs against 402.2 for 8192x3584x4096, BENCHMARKS.md 2026-11-27 from 19:26 UTC)
+# measured for 8192x3584x4096: on 2 H200s 372.9 µs against 402.2, on 4 H200s 390.2 against 405.7, BENCHMARKS.md)
 FUSED_OWN_BLOCK = False
 
 

@@ -173,4 +173,3 @@ _RELEASE = CachedLaunch(_release_kernel)  # its compiled kernel (module-level, l
 def release(ws: OpWorkspace, team: Team) -> None:
     """Tell every member that this rank has finished the call on `ws` (its `consumed` words)."""
     _RELEASE.launch_keyed((1,), ws.consumed, team.pes, ws.epoch, team.index, team.size)
-

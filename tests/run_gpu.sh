@@ -45,8 +45,9 @@
 #          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
 #   dispatchworld  tests/dispatch_probe.py on every GPU (one rank each): normal dispatch / combine at world W, their
 #          kernels and the GPU's idle time, per NormalConfig variant (DISPATCH_WORLD_CONFIGS) -> $OUT/dispatch_world.log
-#   a2aengine  tests/a2a_engine_probe.py: one all_to_all's bytes by the copy engine (one stream, a stream per peer,
-#          split) beside tilecomm's and NCCL's all_to_all, link rates only (2+ GPUs) -> $OUT/a2a_engine.log
+#   a2aengine  tests/a2a_engine_probe.py: one all_to_all's bytes by the copy engine (one stream, a stream per peer)
+#          and by bare SM and TMA pushes, beside tilecomm's all_to_all (default, and on the TMA knobs) and NCCL's
+#          (2+ GPUs) -> $OUT/a2a_engine.log
 #   copyprobe  tests/copy_push_probe.py: ag_gemm / gemm_rs with the copy push beside cuBLAS's whole GEMM, its row blocks
 #          alone, the op with its copies skipped, and the host's µs per call (2+ GPUs) -> $OUT/copy_push_probe.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
