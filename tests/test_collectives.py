@@ -78,6 +78,60 @@ def test_all_to_all_single_symmetric_input_in_place(ranks, world):
     ranks(world).run(a2a_uneven, 11, torch.float32, 33, True)
 
 
+def mixed_placements(seed, calls):
+    """all_to_all_single (uneven, even) and all_gather_into_tensor with each rank's input and output on the heap or
+    not, per rank and call: a pair goes DIRECT (the writer stores into the reader's output) where both ranks'
+    outputs are on the heap, else staged or in place, so one call mixes the three. Rows of 8 floats (every piece
+    16-byte aligned) or 9 (pieces mostly off 16-byte boundaries: such a call stages everything), and one call
+    whose pairs span several ring chunks. Every rank draws every rank's inputs from that rank's seed, so the
+    references need no communication; outputs are poisoned first."""
+    rank, world = tilecomm.rank(), tilecomm.world_size()
+    gens = [torch.Generator().manual_seed(seed * 100 + p) for p in range(world)]
+    chunk_rows = tilecomm.current().collectives.chunk_bytes // 32  # rows of 8 floats per ring chunk
+    cap = world * (2 * chunk_rows + 16) * 9
+    in_buf, out_buf = tilecomm.empty((cap,), torch.float32), tilecomm.empty((cap,), torch.float32)
+
+    def place(t, buf, on_heap):
+        return buf[: t.numel()].view(t.shape).copy_(t) if on_heap else t
+
+    def draw(gen, p, call, hidden):
+        """Rank p's call: (input on the heap, output on the heap, rows it sends to each rank, its inputs). Outputs:
+        all on the heap (every pair DIRECT), then on the even ranks only, then at random."""
+        in_heap, out_heap = (bool(v) for v in torch.randint(0, 2, (2,), generator=gen))
+        out_heap = (True, p % 2 == 0, out_heap)[call % 3]
+        splits = uneven_splits(world, gen) if call != 1 else [2 * chunk_rows + 5 + p for p in range(world)]
+        xs = [torch.randn(rows, hidden, generator=gen) for rows in (sum(splits), world * 2, 3)]
+        return in_heap, out_heap, splits, xs
+
+    for call in range(calls):
+        hidden = 9 if call % 3 == 2 else 8
+        drawn = [draw(gens[p], p, call, hidden) for p in range(world)]  # every rank's, from its seed
+        in_heap, out_heap, in_splits, (x_uneven, x_even, x_gather) = drawn[rank]
+        all_splits = [d[2] for d in drawn]
+        out_splits = [all_splits[p][rank] for p in range(world)]
+        for x, out_rows, splits, ref in (
+                (x_uneven, sum(out_splits), (out_splits, in_splits),
+                 all_to_all_ref([d[3][0] for d in drawn], all_splits, rank)),
+                (x_even, world * 2, None, all_to_all_ref([d[3][1] for d in drawn], [[2] * world] * world, rank)),
+                (x_gather, world * 3, "gather", torch.cat([d[3][2] for d in drawn]))):
+            x = place(x.to(dev()), in_buf, in_heap)
+            out = poison(place(torch.empty(out_rows, hidden, device=dev()), out_buf, out_heap))
+            if splits == "gather":
+                tilecomm.all_gather_into_tensor(out, x)
+            elif splits:
+                tilecomm.all_to_all_single(out, x, *splits)
+            else:
+                tilecomm.all_to_all_single(out, x)
+            assert torch.equal(out.cpu(), ref), (rank, call, splits, in_heap, out_heap)
+    tilecomm.free(in_buf)
+    tilecomm.free(out_buf)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_heap_outputs_take_the_direct_path_in_any_mix(ranks, world):
+    ranks(world).run(mixed_placements, world, 3)
+
+
 def a2a_even_matches_gloo(dtype):
     world = tilecomm.world_size()
     x = torch.randn(world * 3, 4, 2, device=dev()).to(dtype)
