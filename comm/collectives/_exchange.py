@@ -106,14 +106,10 @@ def _peer_delta(ptr, pe):
 
 @jit
 def _chunk_size(count, P, CHUNK: tl.constexpr):
-    """Elements per chunk of a `count`-element pair: as many chunks per program as a ring slot (CHUNK) needs,
-    of equal size, so that the P programs move equal shares (CHUNK-sized chunks left the last round to a few:
-    4096x7168 bf16 per pair, P = 132, is 1.7 slots a program, so 92 programs moved two slots and 40 one); at least
-    2048 elements and a multiple of 2048 (so of 16 bytes and of a TMA row), at most CHUNK."""
+    """Elements per chunk of a `count`-element pair: spread over all P programs when that keeps chunks
+    of at least 2048 elements, at most CHUNK (a ring slot); a multiple of 2048 (so of 16 bytes)."""
     per_program = (count + P - 1) // P
-    rounds = tl.maximum((per_program + CHUNK - 1) // CHUNK, 1)
-    per_chunk = (per_program + rounds - 1) // rounds
-    return tl.minimum(tl.maximum((per_chunk + 2047) // 2048, 1) * 2048, CHUNK)
+    return tl.minimum(tl.maximum((per_program + 2047) // 2048, 1) * 2048, CHUNK)
 
 
 @jit
