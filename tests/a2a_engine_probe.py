@@ -13,12 +13,10 @@ collectives; the reader's data is not checked beyond the first call):
 - `sm tma RxC [P/2]`: one kernel of W x P programs (or half as many), P per destination, each moving R x C tiles by
   TMA: a tensor-descriptor load from its src, a store through a descriptor on the destination's heap address (the
   bulk-copy unit writing over NVLink, as DeepEP's intranode kernels do), every peer at once;
-- `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors (DIRECT: each writer stores into
-  its readers' outputs) / on ordinary tensors (staged through the readers' rings); handshakes included;
-- `tilecomm heap in`: the input on the heap, the output not (each reader copies from its writers' inputs in place);
-- `tilecomm tma push` / `tilecomm tma both` / `tilecomm heap tma push` / `tilecomm heap tma`: the same on a
-  CollectiveState with TMA for the writers' pushes / the pushes and the readers' copies (tma_push, tma_read;
-  comm/collectives/_copy.py);
+- `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors / on ordinary tensors (SM stores,
+  handshakes included);
+- `tilecomm tma push` / `tilecomm tma both` / `tilecomm heap tma`: the same on a CollectiveState with TMA for the
+  writers' pushes / the pushes and the readers' copies (tma_push, tma_read; comm/collectives/_copy.py);
 - `nccl`: torch.distributed.all_to_all_single on ordinary tensors.
 The first call of every copy-engine way is checked against NCCL's result (a wrong address would show).
 """
@@ -158,9 +156,7 @@ def main():
                 ("sm tma 32x128 P/2", sm_tma(32, programs // world // 2), True),
                 ("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
                 ("tilecomm heap", lambda: tilecomm.all_to_all_single(out, src), True),
-                ("tilecomm heap tma push", on(push, lambda: tilecomm.all_to_all_single(out, src)), True),
                 ("tilecomm heap tma", on(both, lambda: tilecomm.all_to_all_single(out, src)), True),
-                ("tilecomm heap in", lambda: tilecomm.all_to_all_single(ordinary_out, src), False),
                 ("tilecomm", lambda: tilecomm.all_to_all_single(ordinary_out, x), False),
                 ("tilecomm tma push", on(push, lambda: tilecomm.all_to_all_single(ordinary_out, x)), False),
                 ("tilecomm tma both", on(both, lambda: tilecomm.all_to_all_single(ordinary_out, x)), False),
@@ -175,7 +171,7 @@ def main():
             ok = torch.equal(out if into_heap else ordinary_out, expect)
             us = _time(call)
             if me == 0:
-                print(f"world {world} {rows}x{cols}  {name:22s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
+                print(f"world {world} {rows}x{cols}  {name:18s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
                       f"NVLink per GPU  {'ok' if ok else 'WRONG'}", flush=True)
     push.free()
     both.free()

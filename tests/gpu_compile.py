@@ -51,11 +51,11 @@ WGRAD_SIG = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr":
              "N": "i32", "E": "i32", "stride_xm": "i32", "stride_dym": "i32", "stride_dwe": I64, "stride_dw": "i32",
              **{k: "constexpr" for k in WGRAD}}
 PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_ptr": I64P, "table_ptr": I64P,
-             "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "out_heap_off": I64, "n_even": I64, "P": "i32",
+             "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n_even": I64, "P": "i32",
              **{f"t{p}": I64 for p in range(8)},
-             **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "OUT_HEAP", "MOVE", "TAG", "CHUNK", "DEPTH", "BLOCK", "VEC",
+             **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "MOVE", "TAG", "CHUNK", "DEPTH", "BLOCK", "VEC",
                                          "TABLE_ARGS", "STREAM", "KEEP", "TMA_PUSH", "TMA_READ")}}
-PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "OUT_HEAP": True, "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536,
+PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536,
          "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "", "KEEP": "", "TMA_PUSH": False, "TMA_READ": False}
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments

@@ -80,10 +80,10 @@ def test_all_to_all_single_symmetric_input_in_place(ranks, world):
 
 def mixed_placements(seed, calls):
     """all_to_all_single (uneven, even) and all_gather_into_tensor with each rank's input and output on the heap or
-    not, per rank and call: a pair goes DIRECT (the writer stores into the reader's output) where both ranks'
-    outputs are on the heap, else staged or in place, so one call mixes the three. Rows of 8 floats (every piece
-    16-byte aligned) or 9 (pieces mostly off 16-byte boundaries: such a call stages everything), and one call
-    whose pairs span several ring chunks. Every rank draws every rank's inputs from that rank's seed, so the
+    not, per rank and call: a pair is read in place where its writer's input is on the heap, else staged through
+    the reader's ring, so one call mixes both (readers learn which from each writer's header). Rows of 8 floats
+    (every piece 16-byte aligned) or 9 (pieces mostly off 16-byte boundaries: such a call stages everything), and
+    one call whose pairs span several ring chunks. Every rank draws every rank's inputs from that rank's seed, so the
     references need no communication; outputs are poisoned first."""
     rank, world = tilecomm.rank(), tilecomm.world_size()
     gens = [torch.Generator().manual_seed(seed * 100 + p) for p in range(world)]
@@ -95,10 +95,10 @@ def mixed_placements(seed, calls):
         return buf[: t.numel()].view(t.shape).copy_(t) if on_heap else t
 
     def draw(gen, p, call, hidden):
-        """Rank p's call: (input on the heap, output on the heap, rows it sends to each rank, its inputs). Outputs:
-        all on the heap (every pair DIRECT), then on the even ranks only, then at random."""
+        """Rank p's call: (input on the heap, output on the heap, rows it sends to each rank, its inputs). Inputs:
+        all on the heap (every pair in place), then on the even ranks only, then at random."""
         in_heap, out_heap = (bool(v) for v in torch.randint(0, 2, (2,), generator=gen))
-        out_heap = (True, p % 2 == 0, out_heap)[call % 3]
+        in_heap = (True, p % 2 == 0, in_heap)[call % 3]
         splits = uneven_splits(world, gen) if call != 1 else [2 * chunk_rows + 5 + p for p in range(world)]
         xs = [torch.randn(rows, hidden, generator=gen) for rows in (sum(splits), world * 2, 3)]
         return in_heap, out_heap, splits, xs
@@ -128,7 +128,7 @@ def mixed_placements(seed, calls):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_heap_outputs_take_the_direct_path_in_any_mix(ranks, world):
+def test_heap_and_ordinary_tensors_mix_per_rank(ranks, world):
     ranks(world).run(mixed_placements, world, 3)
 
 

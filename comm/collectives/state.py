@@ -12,13 +12,11 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
                        pushes into it)
     rs_ring            the same for reduce_scatter (a ring of its own: its writers push into it while the
                        reader may still be in an all_to_all that reads its other ring)
-    words              int64 [9 * W * P + 1] on the heap: meta [W * P, 4] (each pair slot's header: offset,
-                       count, mode, tag; stored there by the slot's writer), then the ready and done
+    words              int64 [7 * W * P + 1] on the heap: meta [W * P, 4] (each pair slot's header: offset,
+                       count, in place, tag; stored there by the slot's writer), then the ready and done
                        signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each,
-                       a ticket counter (each program's index: the order programs start, _exchange.py), then
-                       the receive headers [W * P, 2] (where the slot's reader takes its data, stored there by it)
-    rs_words           int64 [7 * W * W * P + 1]: the same for reduce_scatter's slots (its own epochs), without
-                       receive headers
+                       then a ticket counter (each program's index: the order programs start, _exchange.py)
+    rs_words           int64 [7 * W * W * P + 1]: the same for reduce_scatter's slots (its own epochs)
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables beyond TABLE_ARG_RANKS ranks
                        (up to that, an uneven call's counts are kernel arguments), read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done. (Copying
@@ -193,7 +191,7 @@ class CollectiveState:
 
         ring = heap_tensor((slots * depth * chunk,), torch.uint8)
         rs_ring = heap_tensor((slots * depth * chunk,), torch.uint8)
-        words = heap_tensor((9 * slots + 1,), torch.int64)
+        words = heap_tensor((7 * slots + 1,), torch.int64)
         words.zero_()
         rs_words = heap_tensor((7 * W * slots + 1,), torch.int64)
         rs_words.zero_()
@@ -240,21 +238,20 @@ class CollectiveState:
         event.record()
         self._table_events[i] = event
 
-    def _placement(self, t: torch.Tensor, offsets_aligned: bool):
-        """(heap offset in elements, on the heap): whether peers may address t (an input read in place, an output
-        written straight into) because it lies on the heap and every piece a peer takes or puts starts on a
-        16-byte boundary; else it goes through the ring. (t is contiguous and on the runtime's device: a pointer
-        range check says whether it is on the heap.)"""
+    def _placement(self, src: torch.Tensor, offsets_aligned: bool):
+        """(in_heap_off in elements, IN_PLACE): read src in place when it lies on the heap and every
+        piece a reader takes starts on a 16-byte boundary; else stage it through the ring. (src is
+        contiguous and on the runtime's device: a pointer range check says whether it is on the heap.)"""
         if not offsets_aligned:
             return 0, False
-        off = t.data_ptr() - self._heap_base
-        if off < 0 or off % 16 or off + t.numel() * t.element_size() > self._heap_bytes or not t.numel():
+        off = src.data_ptr() - self._heap_base
+        if off < 0 or off % 16 or off + src.numel() * src.element_size() > self._heap_bytes or not src.numel():
             return 0, False
-        return off // t.element_size(), True
+        return off // src.element_size(), True
 
     def _launch_config(self, key: tuple) -> dict:
         """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the
-        kernel's flags: EVEN, GATHER, IN_PLACE, OUT_HEAP, TABLE_ARGS, TMA_PUSH, TMA_READ for pairs; OP, AVG, IN_PLACE,
+        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS, TMA_PUSH, TMA_READ for pairs; OP, AVG, IN_PLACE,
         accumulator for reduce)."""
         config = self._configs.get(key)
         if config is None:
@@ -266,9 +263,8 @@ class CollectiveState:
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
                           num_warps=self.num_warps)
             if kernel == "pairs":
-                even, gather, in_place, out_heap, table_args, push, read = key[3:]
-                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, OUT_HEAP=out_heap, TABLE_ARGS=table_args,
-                              TMA_PUSH=push,
+                even, gather, in_place, table_args, push, read = key[3:]
+                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, TMA_PUSH=push,
                               TMA_READ=read, MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem),
                               STREAM="evict_first" if self.ring_hints else "",
                               KEEP="evict_last" if self.ring_hints else "")
@@ -308,7 +304,6 @@ class CollectiveState:
                 capturing = not self._on_cpu and torch.cuda.is_current_stream_capturing()
                 table = self._table(_split_table(in_rows, out_rows, row), capturing)
         in_heap_off, in_place = self._placement(src, send_ok)
-        out_heap_off, out_heap = self._placement(out, recv_ok)  # writers store into it where theirs is too
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
         push = read = False
         if self.tma_push or self.tma_read:  # (off by default: the common call computes nothing here)
@@ -317,19 +312,18 @@ class CollectiveState:
             push, read = self.tma_push and large, self.tma_read and large
             if push or read:
                 prepare_tma()
-        key = ("pairs", elem, aligned, even, gather, in_place, out_heap, table_args, push, read)
+        key = ("pairs", elem, aligned, even, gather, in_place, table_args, push, read)
         bound = self._bound.get((src.dtype, out.dtype) + key)
-        if bound is None:  # varying: src, out, the heap offsets, then the packed counts, or the table and n_even
-            varying = (0, 1, 7, 8) + tuple(range(11, 11 + TABLE_ARG_RANKS)) if table_args else (0, 1, 4, 7, 8, 9)
+        if bound is None:  # varying: src, out, in_heap_off, then the packed counts, or the table and n_even
+            varying = (0, 1, 7) + tuple(range(10, 10 + TABLE_ARG_RANKS)) if table_args else (0, 1, 4, 7, 8)
             bound = self._bound[(src.dtype, out.dtype) + key] = self._pairs.bind(
                 (src.dtype, out.dtype) + key,
                 [src, out, self._heap_views[torch.uint8], self.words, table, self._error, self._ring_offset // elem,
-                 in_heap_off, out_heap_off, n_even, self.programs_per_peer, *extra], varying,
-                **self._launch_config(key))
+                 in_heap_off, n_even, self.programs_per_peer, *extra], varying, **self._launch_config(key))
         if table_args:
-            bound.launch(self._pairs_grid, src, out, in_heap_off, out_heap_off, *extra)
+            bound.launch(self._pairs_grid, src, out, in_heap_off, *extra)
         else:
-            bound.launch(self._pairs_grid, src, out, table, in_heap_off, out_heap_off, n_even)
+            bound.launch(self._pairs_grid, src, out, table, in_heap_off, n_even)
             if not (even or self._on_cpu or capturing):
                 self._after_launch()
         if self._on_cpu:
