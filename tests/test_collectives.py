@@ -109,20 +109,17 @@ def mixed_placements(seed, calls):
         in_heap, out_heap, in_splits, (x_uneven, x_even, x_gather) = drawn[rank]
         all_splits = [d[2] for d in drawn]
         out_splits = [all_splits[p][rank] for p in range(world)]
-        for x, out_rows, splits, ref in (
-                (x_uneven, sum(out_splits), (out_splits, in_splits),
-                 all_to_all_ref([d[3][0] for d in drawn], all_splits, rank)),
-                (x_even, world * 2, None, all_to_all_ref([d[3][1] for d in drawn], [[2] * world] * world, rank)),
-                (x_gather, world * 3, "gather", torch.cat([d[3][2] for d in drawn]))):
+        calls_and_refs = (
+            (lambda out, x: tilecomm.all_to_all_single(out, x, out_splits, in_splits), x_uneven, sum(out_splits),
+             all_to_all_ref([d[3][0] for d in drawn], all_splits, rank)),
+            (tilecomm.all_to_all_single, x_even, world * 2,
+             all_to_all_ref([d[3][1] for d in drawn], [[2] * world] * world, rank)),
+            (tilecomm.all_gather_into_tensor, x_gather, world * 3, torch.cat([d[3][2] for d in drawn])))
+        for op, x, out_rows, ref in calls_and_refs:
             x = place(x.to(dev()), in_buf, in_heap)
             out = poison(place(torch.empty(out_rows, hidden, device=dev()), out_buf, out_heap))
-            if splits == "gather":
-                tilecomm.all_gather_into_tensor(out, x)
-            elif splits:
-                tilecomm.all_to_all_single(out, x, *splits)
-            else:
-                tilecomm.all_to_all_single(out, x)
-            assert torch.equal(out.cpu(), ref), (rank, call, splits, in_heap, out_heap)
+            op(out, x)
+            assert torch.equal(out.cpu(), ref), (rank, call, out_rows, in_heap, out_heap)
     tilecomm.free(in_buf)
     tilecomm.free(out_buf)
 

@@ -13,10 +13,10 @@ Rows (bf16; FLOPs = 2·M·N·K, µs = triton.testing.do_bench median, L2 flushed
 ratio = baseline µs / tilecomm µs (> 1: tilecomm faster); with --rounds N (default 3) each side is timed N times,
 alternating tilecomm and baseline, and the row takes each side's median (the spread prints as the lowest and highest
 per-round ratio: one do_bench figure of a 256-expert product moved by 25% between runs, 2026-11-27); wall µs: 20 calls
-back to back and one synchronize, per call (the host cost do_bench hides). Every result is checked against the baseline first (relative
-Frobenius error < 2e-2); a failing row is printed as FAILED and the others still run. --sweep also times
-every tiles.SWEEP_CANDIDATES config on the matmul shapes (the data behind tiles._TABLE); --autotune runs the ops
-with a GemmTuner instead of the table.
+back to back and one synchronize, per call (the host cost do_bench hides). Every result is checked against the
+baseline first (relative Frobenius error < 2e-2); a failing row is printed as FAILED and the others still run.
+--sweep also times every tiles.SWEEP_CANDIDATES config on the matmul shapes (the data behind tiles._TABLE);
+--autotune runs the ops with a GemmTuner instead of the table.
 """
 from __future__ import annotations
 
