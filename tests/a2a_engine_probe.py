@@ -13,10 +13,12 @@ collectives; the reader's data is not checked beyond the first call):
 - `sm tma RxC [P/2]`: one kernel of W x P programs (or half as many), P per destination, each moving R x C tiles by
   TMA: a tensor-descriptor load from its src, a store through a descriptor on the destination's heap address (the
   bulk-copy unit writing over NVLink, as DeepEP's intranode kernels do), every peer at once;
-- `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors / on ordinary tensors (SM stores,
-  handshakes included);
+- `tilecomm heap` / `tilecomm`: tilecomm.all_to_all_single on the heap tensors (each reader copies from its
+  writers' inputs in place) / on ordinary tensors (staged through the readers' rings); handshakes included;
 - `tilecomm tma push` / `tilecomm tma both` / `tilecomm heap tma`: the same on a CollectiveState with TMA for the
   writers' pushes / the pushes and the readers' copies (tma_push, tma_read; comm/collectives/_copy.py);
+- `tilecomm heap direct` / `tilecomm heap direct tma`: the heap tensors on a CollectiveState with `direct` on (each
+  writer stores into its readers' outputs, by vector stores / by TMA with one completion wait a program);
 - `nccl`: torch.distributed.all_to_all_single on ordinary tensors.
 The first call of every copy-engine way is checked against NCCL's result (a wrong address would show).
 """
@@ -98,6 +100,8 @@ def main():
     workspace = ctx.collectives.ring.numel() * 2  # (as the runtime's: two rings)
     push = CollectiveState.create(ctx, workspace, tma_push=True)
     both = CollectiveState.create(ctx, workspace, tma_push=True, tma_read=True)
+    direct = CollectiveState.create(ctx, workspace, direct=True)
+    direct_tma = CollectiveState.create(ctx, workspace, tma_push=True, direct=True)
 
     def on(state, call):
         """call, with the runtime's collectives on `state`."""
@@ -157,6 +161,8 @@ def main():
                 ("ce 1 stream", ce_one_stream, True), ("ce W streams", ce_streams, True),
                 ("tilecomm heap", lambda: tilecomm.all_to_all_single(out, src), True),
                 ("tilecomm heap tma", on(both, lambda: tilecomm.all_to_all_single(out, src)), True),
+                ("tilecomm heap direct", on(direct, lambda: tilecomm.all_to_all_single(out, src)), True),
+                ("tilecomm heap direct tma", on(direct_tma, lambda: tilecomm.all_to_all_single(out, src)), True),
                 ("tilecomm", lambda: tilecomm.all_to_all_single(ordinary_out, x), False),
                 ("tilecomm tma push", on(push, lambda: tilecomm.all_to_all_single(ordinary_out, x)), False),
                 ("tilecomm tma both", on(both, lambda: tilecomm.all_to_all_single(ordinary_out, x)), False),
@@ -171,10 +177,10 @@ def main():
             ok = torch.equal(out if into_heap else ordinary_out, expect)
             us = _time(call)
             if me == 0:
-                print(f"world {world} {rows}x{cols}  {name:18s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
+                print(f"world {world} {rows}x{cols}  {name:22s} {us:8.1f} µs  {peer_bytes / us / 1e3:6.1f} GB/s over "
                       f"NVLink per GPU  {'ok' if ok else 'WRONG'}", flush=True)
-    push.free()
-    both.free()
+    for state in (push, both, direct, direct_tma):
+        state.free()
     tilecomm.finalize()
     dist.destroy_process_group()
 

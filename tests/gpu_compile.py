@@ -39,7 +39,7 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
-LABELLED = ("WAIT_LATE", "TMA_PUSH", "TMA_READ")
+LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ")
 # gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
@@ -51,18 +51,23 @@ WGRAD_SIG = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr":
              "N": "i32", "E": "i32", "stride_xm": "i32", "stride_dym": "i32", "stride_dwe": I64, "stride_dw": "i32",
              **{k: "constexpr" for k in WGRAD}}
 PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_ptr": I64P, "table_ptr": I64P,
-             "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n_even": I64, "P": "i32",
+             "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "out_heap_off": I64, "n_even": I64, "P": "i32",
              **{f"t{p}": I64 for p in range(8)},
-             **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "MOVE", "TAG", "CHUNK", "DEPTH", "BLOCK", "VEC",
-                                         "TABLE_ARGS", "STREAM", "KEEP", "TMA_PUSH", "TMA_READ")}}
-PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536,
-         "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "", "KEEP": "", "TMA_PUSH": False, "TMA_READ": False}
+             **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "OPEN", "OUT_HEAP", "MOVE", "TAG", "CHUNK",
+                                         "DEPTH", "BLOCK", "VEC", "TABLE_ARGS", "STREAM", "KEEP", "TMA_PUSH",
+                                         "TMA_READ")}}
+PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "OPEN": False, "OUT_HEAP": False,
+         "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536, "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "",
+         "KEEP": "", "TMA_PUSH": False, "TMA_READ": False}
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=True)),
     # a large pair's pushes and reads by TMA (CollectiveState.tma_push / tma_read)
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, TMA_PUSH=True, TMA_READ=True)),
+    # DIRECT pairs (CollectiveState.direct, off by default): by vector stores, and by TMA with one completion wait
+    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, OPEN=True, OUT_HEAP=True, TABLE_ARGS=True)),
+    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, OPEN=True, OUT_HEAP=True, TMA_PUSH=True)),
     (ex._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P,
                          "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
                          "OP": "constexpr", "ACC": "constexpr", "AVG": "constexpr", "IN_PLACE": "constexpr",

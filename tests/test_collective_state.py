@@ -62,7 +62,8 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     ring_hints: the staged pairs' loads and stores with L2 eviction policies (their own compiled variant on GPUs).
     tma: the pairs' pushes and reads by TMA (comm/collectives/_copy.py: whole tiles of 256-byte rows) at every size
     (tma_min_bytes 0), pairs of whole tiles and a rest (96-byte rows); also an all_to_all read in place from the
-    heap."""
+    heap, and, with `direct` on, one into heap outputs (DIRECT: the writers' TMA stores land in the readers'
+    outputs, one completion wait per program)."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -72,10 +73,11 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if dev().type == "cuda" else 1
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
     state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
-                                   ring_hints=ring_hints, tma_push=tma, tma_read=tma)
+                                   ring_hints=ring_hints, tma_push=tma, tma_read=tma, direct=tma)
     state.tma_min_bytes = 0
     default, ctx.collectives = ctx.collectives, state
     on_heap = tilecomm.empty((world * (500 + 37 * 2), 24), torch.float32) if tma else None
+    out_heap = tilecomm.empty((world * (500 + 37 * 2), 24), torch.float32) if tma else None
     try:
         assert dev().type != "cuda" or state.programs_per_peer == max(1, programs_per_sm * sms // world)
         for call in range(3):
@@ -97,8 +99,11 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
             if tma:
                 in_place = poison(torch.empty_like(x))
                 tilecomm.all_to_all_single(in_place, on_heap[:x.shape[0]].copy_(x))
+                direct = poison(out_heap[:x.shape[0]])
+                tilecomm.all_to_all_single(direct, x)
                 tilecomm.check_errors()
                 assert torch.equal(in_place, a2a), f"call {call}: read in place"
+                assert torch.equal(direct, a2a), f"call {call}: DIRECT"
             tilecomm.check_errors()
             assert torch.equal(a2a.cpu(), all_to_all_ref(inputs, [[rows] * world] * world, rank)), f"call {call}"
             assert torch.equal(a2a_uneven.cpu(), all_to_all_ref(gather_all(xu), all_splits, rank)), f"call {call}"
@@ -112,6 +117,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
         ctx.collectives = default
         if on_heap is not None:
             tilecomm.free(on_heap)
+            tilecomm.free(out_heap)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -247,7 +253,7 @@ def test_ring_steps_are_powers_of_two_for_any_workspace(backend):
                 state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = chunk, st._BLOCK_BYTES, 8, st.DEPTH
                 state._configs, state._max_w, state.rs_stagger = {}, 8, False
                 for elem in (1, 2, 4, 8):
-                    for key in (("pairs", elem, True, True, False, False, False, False, False),
+                    for key in (("pairs", elem, True, True, False, False, False, False, False, False),
                                 ("reduce", elem, True, 0, False, False, "acc")):
                         c = state._launch_config(key)
                         steps = [c["BLOCK"]] + ([c["PUSH_BLOCK"]] if "PUSH_BLOCK" in c else [])

@@ -78,7 +78,25 @@ def test_all_to_all_single_symmetric_input_in_place(ranks, world):
     ranks(world).run(a2a_uneven, 11, torch.float32, 33, True)
 
 
-def mixed_placements(seed, calls):
+def mixed_placements(seed, calls, direct):
+    """_mixed_calls on the runtime's collectives, or (direct) on a CollectiveState with `direct` on, where a pair goes
+    DIRECT (the writer stores into the reader's output) if both ranks' outputs are on the heap: one call then mixes
+    three ways."""
+    from tilecomm.collectives.state import CollectiveState
+
+    ctx = tilecomm.current()
+    default = ctx.collectives
+    if direct:
+        ctx.collectives = CollectiveState.create(ctx, 2 * default.ring.numel(), direct=True)
+    try:
+        _mixed_calls(seed, calls)
+    finally:
+        if direct:
+            ctx.collectives.free()
+            ctx.collectives = default
+
+
+def _mixed_calls(seed, calls):
     """all_to_all_single (uneven, even) and all_gather_into_tensor with each rank's input and output on the heap or
     not, per rank and call: a pair is read in place where its writer's input is on the heap, else staged through
     the reader's ring, so one call mixes both (readers learn which from each writer's header). Rows of 8 floats
@@ -96,9 +114,10 @@ def mixed_placements(seed, calls):
 
     def draw(gen, p, call, hidden):
         """Rank p's call: (input on the heap, output on the heap, rows it sends to each rank, its inputs). Inputs:
-        all on the heap (every pair in place), then on the even ranks only, then at random."""
+        all on the heap (every pair in place), then on the even ranks only, then at random; outputs the same way
+        (every pair DIRECT where the state allows it, then between even ranks)."""
         in_heap, out_heap = (bool(v) for v in torch.randint(0, 2, (2,), generator=gen))
-        in_heap = (True, p % 2 == 0, in_heap)[call % 3]
+        in_heap, out_heap = ((True, True), (p % 2 == 0, p % 2 == 0), (in_heap, out_heap))[call % 3]
         splits = uneven_splits(world, gen) if call != 1 else [2 * chunk_rows + 5 + p for p in range(world)]
         xs = [torch.randn(rows, hidden, generator=gen) for rows in (sum(splits), world * 2, 3)]
         return in_heap, out_heap, splits, xs
@@ -124,9 +143,10 @@ def mixed_placements(seed, calls):
     tilecomm.free(out_buf)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["in_place_or_staged", "direct"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_heap_and_ordinary_tensors_mix_per_rank(ranks, world):
-    ranks(world).run(mixed_placements, world, 3)
+def test_heap_and_ordinary_tensors_mix_per_rank(ranks, world, direct):
+    ranks(world).run(mixed_placements, world, 3, direct)
 
 
 def a2a_even_matches_gloo(dtype):

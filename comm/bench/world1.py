@@ -139,6 +139,34 @@ def _host_profile(s: dict, dtype: torch.dtype, dev: torch.device) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
+def _direct_rows(t: Table, s: dict, dtype: torch.dtype, tma: bool) -> None:
+    """The symmetric all_to_all and all_gather rows again on CollectiveStates with `direct` on (vector stores; with
+    tma, TMA stores and one completion wait a program): DIRECT pairs beside the in-place rows above, in one run."""
+    from tilecomm.collectives.state import CollectiveState
+
+    ctx = tilecomm.current()
+    default = ctx.collectives
+    H, S = s["hidden"], s["square"]
+    for shape, op, name in (((s["rows"], H), tilecomm.all_to_all_single, "a2a"),
+                            ((S, S), tilecomm.all_gather_into_tensor, "all_gather")):
+        x, out = tilecomm.empty(shape, dtype), tilecomm.empty(shape, dtype)
+        x.copy_(torch.randn(shape, device=x.device).to(dtype))
+        floor_out = torch.empty_like(x)
+        for push_by_tma in (False, True) if tma else (False,):
+            ctx.collectives = CollectiveState.create(ctx, 2 * default.ring.numel(), tma_push=push_by_tma, direct=True)
+            try:
+                out.fill_(-7)
+                op(out, x)
+                assert torch.equal(out, x), f"{name} on a direct state at world 1 must return its input"
+                t.add(f"{name} {shape[0]}x{shape[1]} symmetric [direct{', TMA' if push_by_tma else ''}]",
+                      lambda: op(out, x), lambda: floor_out.copy_(x), out, check_graph=True)
+            finally:
+                ctx.collectives.free()
+                ctx.collectives = default
+        tilecomm.free(out)
+        tilecomm.free(x)
+
+
 def _sweep(t: Table, s: dict, dtype: torch.dtype, dev: torch.device, configs) -> None:
     """The same rows under other CollectiveState tunings (programs per SM, chunk and block bytes)."""
     from tilecomm.collectives.state import CollectiveState
@@ -166,7 +194,7 @@ def _sweep(t: Table, s: dict, dtype: torch.dtype, dev: torch.device, configs) ->
 def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
     """Initialise a one-rank runtime with a heap large enough for the symmetric rows, print the table."""
     on_gpu = backend == "cuda" or (backend == "auto" and torch.cuda.is_available())
-    tilecomm.init(backend=backend, heap_bytes=(512 << 20 if on_gpu else 32 << 20) + dispatch_bench.self_heap_bytes(on_gpu))
+    tilecomm.init(backend=backend, heap_bytes=(768 << 20 if on_gpu else 32 << 20) + dispatch_bench.self_heap_bytes(on_gpu))
     ctx = tilecomm.current()
     on_gpu = ctx.backend == "cuda"
     s = _GPU if on_gpu else _CPU
@@ -177,6 +205,7 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
           f"{'graph':>5s}")
     t = Table(on_gpu, iters)
     _collective_rows(t, s, dtype, ctx.device)
+    _direct_rows(t, s, dtype, tma=on_gpu and torch.cuda.get_device_capability(ctx.device)[0] >= 9)
     if on_gpu:
         from tilecomm.jit import CachedLaunch
 

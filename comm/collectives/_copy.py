@@ -71,12 +71,13 @@ def row_desc(ptr, n):
 
 @jit
 def move(dst_desc, dst_ptr, dst_off, dst_row, src_desc, src_ptr, src_off, src_row, n, BLOCK: tl.constexpr,
-         VEC: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr, TMA: tl.constexpr):
+         VEC: tl.constexpr, LOAD_POLICY: tl.constexpr, STORE_POLICY: tl.constexpr, TMA: tl.constexpr, complete):
     """dst[dst_off : dst_off + n] = src[src_off : ...] (`copy_elements`). TMA: the whole tiles first, from row
     src_row of src_desc to row dst_row of dst_desc (`row_desc`s; the same elements as the offsets name), then
     the rest (under one tile) by copy_elements. The tiles are fenced on both sides: their loads see what this
-    program acquired before (a peer's signalled data), and their stores are complete, ordered before this
-    program's later signals (tcl.proxy_fence, tcl.bulk_wait). Without TMA the descriptors are not used."""
+    program acquired before (a peer's signalled data), and, where `complete`, their stores are complete, ordered
+    before this program's later signals (tcl.proxy_fence, tcl.bulk_wait); a caller that passes False waits once
+    itself (tcl.bulk_wait) before its next signal. Without TMA the descriptors are not used."""
     done = n * 0
     if TMA:
         ROW: tl.constexpr = ROW_BYTES // (dst_ptr.dtype.element_ty.primitive_bitwidth // 8)
@@ -88,6 +89,7 @@ def move(dst_desc, dst_ptr, dst_off, dst_row, src_desc, src_ptr, src_off, src_ro
             for r in tl.range(0, rows, TILE_ROWS, num_stages=3):
                 tile = src_desc.load([tl.cast(src_row + r, tl.int32), 0])
                 dst_desc.store([tl.cast(dst_row + r, tl.int32), 0], tile)
-            tcl.bulk_wait(tl.full((), 0, tl.int32))
+            if complete:
+                tcl.bulk_wait(tl.full((), 0, tl.int32))
         done = rows.to(tl.int64) * ROW
     copy_elements(dst_ptr, dst_off + done, src_ptr, src_off + done, n - done, BLOCK, VEC, LOAD_POLICY, STORE_POLICY)

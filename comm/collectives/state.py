@@ -12,11 +12,13 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
                        pushes into it)
     rs_ring            the same for reduce_scatter (a ring of its own: its writers push into it while the
                        reader may still be in an all_to_all that reads its other ring)
-    words              int64 [7 * W * P + 1] on the heap: meta [W * P, 4] (each pair slot's header: offset,
-                       count, in place, tag; stored there by the slot's writer), then the ready and done
+    words              int64 [9 * W * P + 1] on the heap: meta [W * P, 4] (each pair slot's header: offset,
+                       count, mode, tag; stored there by the slot's writer), then the ready and done
                        signal words and the epochs (each slot's call count, bumped by the kernels) [W * P] each,
-                       then a ticket counter (each program's index: the order programs start, _exchange.py)
-    rs_words           int64 [7 * W * W * P + 1]: the same for reduce_scatter's slots (its own epochs)
+                       a ticket counter (each program's index: the order programs start, _exchange.py), then
+                       the receive headers [W * P, 2] (where the slot's reader takes its data, stored there by it)
+    rs_words           int64 [7 * W * W * P + 1]: the same for reduce_scatter's slots (its own epochs), without
+                       receive headers
     tables             int64 [SLOTS, 4 * W] pinned host memory: uneven split tables beyond TABLE_ARG_RANKS ranks
                        (up to that, an uneven call's counts are kernel arguments), read by the kernels
                        directly (no H2D copy), reused round-robin once the call that used a slot is done. (Copying
@@ -27,6 +29,8 @@ Sized once, from the world size, the GPU's SM count and the workspace (or 1 prog
 `tma_push` / `tma_read` (sm_90+ GPUs; off by default, BENCHMARKS.md 2026-11-27 from 21:01 UTC): the pairs kernel's
 writers push / readers copy a large pair's whole tiles of 256-byte rows by TMA (_copy.py), where a program's share
 of the pair is at least `tma_min_bytes`; below it building the descriptors costs more than they move.
+`direct` (off by default, BENCHMARKS.md 2026-11-27 from 22:51 UTC): DIRECT pairs where both ranks' outputs lie on the
+heap (_exchange.py, steps 0 and 2).
 
 Nothing is allocated per call (but a TMA call's descriptor scratch, Triton's: 128 bytes a descriptor and
 program). `free()` (called by `tilecomm.finalize`) returns the heap space.
@@ -134,6 +138,12 @@ class CollectiveState:
     tma_push: bool = False
     tma_read: bool = False
     tma_min_bytes: int = TMA_MIN_BYTES
+    # all_to_all / all_gather: DIRECT pairs (_exchange.py) where both ranks' outputs lie on the heap, the writer
+    # storing straight into the reader's output (with tma_push: by TMA, one completion wait per program). Every rank
+    # must agree (its readers announce where they take data; create() makes it so). Off by default: on 2 H200s
+    # (2026-11-27, vector stores, TMA waiting per chunk) it moved 4096x7168 no faster than staging (112.4 against
+    # 107.7 µs), and one world-1 run of heap tensors read 1.40x a copy against 1.29 in place on another machine
+    direct: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
     # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
@@ -163,9 +173,11 @@ class CollectiveState:
     @classmethod
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
-               ring_hints: bool = False, tma_push: bool = False, tma_read: bool = False) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read: the tuning
-        knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs)."""
+               ring_hints: bool = False, tma_push: bool = False, tma_read: bool = False,
+               direct: bool = False) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read, direct: the
+        tuning knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs). Collective: every rank passes the
+        same knobs."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
         require(not (on_gpu and (tma_push or tma_read)) or torch.cuda.get_device_capability(ctx.device)[0] >= 9,
@@ -191,7 +203,7 @@ class CollectiveState:
 
         ring = heap_tensor((slots * depth * chunk,), torch.uint8)
         rs_ring = heap_tensor((slots * depth * chunk,), torch.uint8)
-        words = heap_tensor((7 * slots + 1,), torch.int64)
+        words = heap_tensor((9 * slots + 1,), torch.int64)
         words.zero_()
         rs_words = heap_tensor((7 * W * slots + 1,), torch.int64)
         rs_words.zero_()
@@ -199,7 +211,7 @@ class CollectiveState:
         dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
-                   rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read,
+                   rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read, direct=direct,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
@@ -238,21 +250,22 @@ class CollectiveState:
         event.record()
         self._table_events[i] = event
 
-    def _placement(self, src: torch.Tensor, offsets_aligned: bool):
-        """(in_heap_off in elements, IN_PLACE): read src in place when it lies on the heap and every
-        piece a reader takes starts on a 16-byte boundary; else stage it through the ring. (src is
-        contiguous and on the runtime's device: a pointer range check says whether it is on the heap.)"""
+    def _placement(self, t: torch.Tensor, offsets_aligned: bool):
+        """(heap offset in elements, on the heap): whether peers may address t (an input read in place, an output
+        written straight into) because it lies on the heap and every piece a peer takes or puts starts on a
+        16-byte boundary; else it goes through the ring. (t is contiguous and on the runtime's device: a pointer
+        range check says whether it is on the heap.)"""
         if not offsets_aligned:
             return 0, False
-        off = src.data_ptr() - self._heap_base
-        if off < 0 or off % 16 or off + src.numel() * src.element_size() > self._heap_bytes or not src.numel():
+        off = t.data_ptr() - self._heap_base
+        if off < 0 or off % 16 or off + t.numel() * t.element_size() > self._heap_bytes or not t.numel():
             return 0, False
-        return off // src.element_size(), True
+        return off // t.element_size(), True
 
     def _launch_config(self, key: tuple) -> dict:
-        """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the
-        kernel's flags: EVEN, GATHER, IN_PLACE, TABLE_ARGS, TMA_PUSH, TMA_READ for pairs; OP, AVG, IN_PLACE,
-        accumulator for reduce)."""
+        """The constexprs of a launch, made once per key: (kernel, element size, aligned, then the kernel's flags:
+        EVEN, GATHER, IN_PLACE, OUT_HEAP, TABLE_ARGS, TMA_PUSH, TMA_READ for pairs, whose OPEN is the state's
+        `direct`; OP, AVG, IN_PLACE, accumulator for reduce)."""
         config = self._configs.get(key)
         if config is None:
             kernel, elem, aligned = key[:3]
@@ -263,8 +276,10 @@ class CollectiveState:
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
                           num_warps=self.num_warps)
             if kernel == "pairs":
-                even, gather, in_place, table_args, push, read = key[3:]
-                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, TABLE_ARGS=table_args, TMA_PUSH=push,
+                even, gather, in_place, out_heap, table_args, push, read = key[3:]
+                config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, OPEN=self.direct, OUT_HEAP=out_heap,
+                              TABLE_ARGS=table_args,
+                              TMA_PUSH=push,
                               TMA_READ=read, MOVE=_BITS[elem], TAG=kx.op_tag(2 if gather else 1, elem),
                               STREAM="evict_first" if self.ring_hints else "",
                               KEEP="evict_last" if self.ring_hints else "")
@@ -304,6 +319,7 @@ class CollectiveState:
                 capturing = not self._on_cpu and torch.cuda.is_current_stream_capturing()
                 table = self._table(_split_table(in_rows, out_rows, row), capturing)
         in_heap_off, in_place = self._placement(src, send_ok)
+        out_heap_off, out_heap = self._placement(out, recv_ok) if self.direct else (0, False)
         aligned = send_ok and recv_ok and (out.data_ptr() | src.data_ptr()) & 15 == 0
         push = read = False
         if self.tma_push or self.tma_read:  # (off by default: the common call computes nothing here)
@@ -312,18 +328,19 @@ class CollectiveState:
             push, read = self.tma_push and large, self.tma_read and large
             if push or read:
                 prepare_tma()
-        key = ("pairs", elem, aligned, even, gather, in_place, table_args, push, read)
+        key = ("pairs", elem, aligned, even, gather, in_place, out_heap, table_args, push, read)
         bound = self._bound.get((src.dtype, out.dtype) + key)
-        if bound is None:  # varying: src, out, in_heap_off, then the packed counts, or the table and n_even
-            varying = (0, 1, 7) + tuple(range(10, 10 + TABLE_ARG_RANKS)) if table_args else (0, 1, 4, 7, 8)
+        if bound is None:  # varying: src, out, the heap offsets, then the packed counts, or the table and n_even
+            varying = (0, 1, 7, 8) + tuple(range(11, 11 + TABLE_ARG_RANKS)) if table_args else (0, 1, 4, 7, 8, 9)
             bound = self._bound[(src.dtype, out.dtype) + key] = self._pairs.bind(
                 (src.dtype, out.dtype) + key,
                 [src, out, self._heap_views[torch.uint8], self.words, table, self._error, self._ring_offset // elem,
-                 in_heap_off, n_even, self.programs_per_peer, *extra], varying, **self._launch_config(key))
+                 in_heap_off, out_heap_off, n_even, self.programs_per_peer, *extra], varying,
+                **self._launch_config(key))
         if table_args:
-            bound.launch(self._pairs_grid, src, out, in_heap_off, *extra)
+            bound.launch(self._pairs_grid, src, out, in_heap_off, out_heap_off, *extra)
         else:
-            bound.launch(self._pairs_grid, src, out, table, in_heap_off, n_even)
+            bound.launch(self._pairs_grid, src, out, table, in_heap_off, out_heap_off, n_even)
             if not (even or self._on_cpu or capturing):
                 self._after_launch()
         if self._on_cpu:
