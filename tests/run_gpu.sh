@@ -46,7 +46,8 @@
 #   dispatchworld  tests/dispatch_probe.py on every GPU (one rank each): normal dispatch / combine at world W, their
 #          kernels and the GPU's idle time, per NormalConfig variant (DISPATCH_WORLD_CONFIGS) -> $OUT/dispatch_world.log
 #   a2aengine  tests/a2a_engine_probe.py: one all_to_all's bytes by the copy engine (one stream, a stream per peer)
-#          and by bare SM and TMA pushes, beside tilecomm's all_to_all (default, and on the TMA knobs) and NCCL's
+#          and by bare SM and TMA pushes, beside tilecomm's all_to_all (default, on the TMA knobs, and DIRECT on heap
+#          tensors: CollectiveState(direct=True), with and without TMA) and NCCL's
 #          (2+ GPUs) -> $OUT/a2a_engine.log
 #   copyprobe  tests/copy_push_probe.py: ag_gemm / gemm_rs with the copy push beside cuBLAS's whole GEMM, its row blocks
 #          alone, the op with its copies skipped, and the host's µs per call (2+ GPUs) -> $OUT/copy_push_probe.log
