@@ -140,9 +140,10 @@ class CollectiveState:
     tma_min_bytes: int = TMA_MIN_BYTES
     # all_to_all / all_gather: DIRECT pairs (_exchange.py) where both ranks' outputs lie on the heap, the writer
     # storing straight into the reader's output (with tma_push: by TMA, one completion wait per program). Every rank
-    # must agree (its readers announce where they take data; create() makes it so). Off by default: on 2 H200s
-    # (2026-11-27, vector stores, TMA waiting per chunk) it moved 4096x7168 no faster than staging (112.4 against
-    # 107.7 µs), and one world-1 run of heap tensors read 1.40x a copy against 1.29 in place on another machine
+    # must agree (its readers announce where they take data: every rank creates its state with the same knobs). Off
+    # by default: on 2 H200s (2026-11-27, vector stores, TMA waiting per chunk) it moved 4096x7168 no faster than
+    # staging (112.4 against 107.7 µs), and one world-1 run of heap tensors read 1.40x a copy against 1.29 in place
+    # on another machine
     direct: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
