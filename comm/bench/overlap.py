@@ -170,7 +170,8 @@ def _run_case(cfg: OverlapConfig, shape, cuda: bool) -> dict:
         _verify(label, fns, dt, cuda)
         torch_na = _try_torch_fused(fns, dt, cuda)
         names = _NAMES + (() if torch_na else ("torch",))
-        t = {n: max(_gather(_time_us(fns[n], cfg, cuda))) for n in names}
+        per_rank = {n: _gather(_time_us(fns[n], cfg, cuda)) for n in names}
+        t = {n: max(us) for n, us in per_rank.items()}
     finally:
         fns["workspace"].free()
     base = dist.get_backend()
@@ -179,7 +180,7 @@ def _run_case(cfg: OverlapConfig, shape, cuda: bool) -> dict:
             "tilecomm_gemm_us": t["tc_gemm"], "torch_fused_us": t.get("torch"), "torch_fused_na": torch_na,
             "speedup": t["seq"] / t["fused"], "cap": (t["gemm"] + t["coll"]) / max(t["gemm"], t["coll"]),
             "overlap_eff": t["gemm"] / t["fused"], "baseline": f"torch.distributed/{base} + torch.matmul in sequence",
-            "backend": tilecomm.current().backend}
+            "backend": tilecomm.current().backend, "per_rank_us": per_rank}
 
 
 _COLS = "{:<17} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>5} {:>5}"
@@ -222,6 +223,9 @@ def run_rank(cfg: OverlapConfig) -> List[dict]:
         rows.append(_run_case(cfg, shape, cuda))
         if rank == 0:
             print(_row(rows[-1]), flush=True)
+            per_rank = rows[-1]["per_rank_us"]  # which rank sets each max (a slow GPU, or a slow op everywhere)
+            print("  per rank µs: " + "; ".join(f"{n} " + " ".join(f"{us:.1f}" for us in per_rank[n])
+                                             for n in ("gemm", "tc_gemm", "fused")), flush=True)
             if rows[-1]["torch_fused_na"] and cuda:
                 print(f"  torch fused op n/a: {rows[-1]['torch_fused_na']}", flush=True)
     if rank == 0 and cfg.json_path:
