@@ -21,7 +21,7 @@ from triton.compiler.compiler import make_backend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_language as lang  # noqa: E402
-from tilecomm.collectives import _exchange as ex  # noqa: E402
+from tilecomm.collectives import _exchange as ex, _reduce as er  # noqa: E402
 from tilecomm.dispatch import layout as dl  # noqa: E402
 from tilecomm.dispatch.compile_cases import gpu_compile_cases  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
@@ -68,7 +68,7 @@ CASES = [
     # DIRECT pairs (CollectiveState.direct, off by default): by vector stores, and by TMA with one completion wait
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, OPEN=True, OUT_HEAP=True, TABLE_ARGS=True)),
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, OPEN=True, OUT_HEAP=True, TMA_PUSH=True)),
-    (ex._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P,
+    (er._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P,
                          "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
                          "OP": "constexpr", "ACC": "constexpr", "AVG": "constexpr", "IN_PLACE": "constexpr",
                          "CHUNK": "constexpr", "DEPTH": "constexpr", "BLOCK": "constexpr", "PUSH_BLOCK": "constexpr",

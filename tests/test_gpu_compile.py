@@ -41,7 +41,7 @@ def _two_programs_per_sm(rows: dict) -> None:
     no local memory (a masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
     registers and 136 bytes of local memory); their program index is a ticket (abi.take_ticket), not the block
     index (3 programs per SM hung on 4 H200s with block indices)."""
-    for kernel in ("_exchange._pairs_kernel", "_exchange._pairs_kernel+TMA_PUSH+TMA_READ", "_exchange._reduce_kernel",
+    for kernel in ("_exchange._pairs_kernel", "_exchange._pairs_kernel+TMA_PUSH+TMA_READ", "_reduce._reduce_kernel",
                    "_exchange._pairs_kernel+OUT_HEAP", "_exchange._pairs_kernel+OUT_HEAP+TMA_PUSH"):
         # (the TMA variant keeps four descriptors' addresses live through its pipelined tile loops: Triton 3.6
         # spills 32 bytes, 24 under the nvshmem transport; it is off by default, CollectiveState.tma_push / tma_read)
@@ -60,7 +60,7 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
     rows = compiled["nvlink"]
     assert all(r["cubin_bytes"] > 0 for r in rows.values())
     assert rows["_exchange._pairs_kernel"]["release_sys_atomic"]  # signal: release at system scope
-    assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_exchange._reduce_kernel"]["vector_16B"]
+    assert rows["_exchange._pairs_kernel"]["vector_16B"] and rows["_reduce._reduce_kernel"]["vector_16B"]
     _two_programs_per_sm(rows)
     assert rows["team._release_kernel"]["release_sys_atomic"]  # to PEs read from the team's table
     assert rows["test_language._wait_cmp_kernel"]["acquire_sys"] and rows["test_language._wait_cmp_kernel"]["globaltimer"]

@@ -1,4 +1,4 @@
-"""Argument checks, split bookkeeping and autograd for the collectives (kernels in _exchange.py)."""
+"""Argument checks, split bookkeeping and autograd for the collectives (kernels in _exchange.py and _reduce.py)."""
 from __future__ import annotations
 
 import math

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..errors import require
 from ..jit import CachedLaunch, next_pow2, prepare_tma
-from . import _exchange as kx
+from . import _exchange as kx, _reduce as kr
 
 DEPTH = 2  # ring slots per pair slot: a writer pushes chunk i + 1 while its reader copies chunk i out
 TABLE_SLOTS = 64
@@ -123,7 +123,7 @@ class CollectiveState:
     tables: torch.Tensor
     num_warps: int
     depth: int  # ring slots per pair slot (DEPTH unless a sweep says otherwise)
-    rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_exchange.py; on by default)
+    rs_stagger: bool  # reduce_scatter: odd columns reduce before they push (_reduce.py; on by default)
     table_arg_ranks: int = TABLE_ARG_RANKS  # uneven calls of up to this many ranks: counts as kernel arguments
     # the staged collectives: the ring's lines kept in L2 (evict_last: pushes into it and, in reduce_scatter, every
     # writer's chunk read) and the input's and output's streamed (evict_first), so that a ring slot is rewritten in
@@ -213,7 +213,7 @@ class CollectiveState:
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
                    rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read, direct=direct,
-                   _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kx._reduce_kernel),
+                   _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kr._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
