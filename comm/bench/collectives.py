@@ -17,9 +17,10 @@ all_to_all --uneven: rank s sends n[s][d] = b + ((s + 2d) mod 3 - 1) * (b // 2) 
 share), through output_split_sizes / input_split_sizes; bytes = the mean over ranks of the rows a rank
 sends to other ranks × C·elem.
 
-Timing: `warmup` calls, then `reps` reps; each rep starts after a barrier and times `iters`
-back-to-back calls (CUDA events on GPU, perf_counter on CPU). A rank's time is the median over
-reps of (rep time / iters); the reported time is the max of that over ranks. GB/s = bytes / time / 1e9.
+Timing: `warmup` calls of each side, then `reps` reps; in each rep tilecomm and the baseline take turns,
+each after a barrier timing `iters` back-to-back calls (CUDA events on GPU, perf_counter on CPU), so a
+drift of the GPU's clock over the run falls on both alike. A rank's time is the median over reps of
+(rep time / iters); the reported time is the max of that over ranks. GB/s = bytes / time / 1e9.
 Before timing, each size's tilecomm output is checked against the baseline's (see `_verify`).
 """
 from __future__ import annotations
@@ -198,26 +199,36 @@ def _verify(case: Case, inp: torch.Tensor, out: torch.Tensor, ref: torch.Tensor,
 
 def _time_us(fn, cfg: Config, cuda: bool) -> float:
     """This rank's median over reps of µs per call (module docstring)."""
-    for _ in range(cfg.warmup):
-        fn()
-    samples = []
+    return _times_us({"fn": fn}, cfg, cuda)["fn"]
+
+
+def _times_us(fns: dict, cfg: Config, cuda: bool) -> dict:
+    """{name: this rank's median over reps of µs per call}: every rep times each of fns in turn (module
+    docstring), so that a drift over the run (the GPU's clock under a sustained load) weighs on all alike: timed
+    one after another, the column timed first ran 5-7% faster (4 H200s, 2026-11-28: cuBLAS's 8192x3584x4096
+    GEMM first in the ag_gemm bench 317-321 µs, in turn with tilecomm's GEMM in bench.gemm 338-348)."""
+    for fn in fns.values():
+        for _ in range(cfg.warmup):
+            fn()
+    samples = {name: [] for name in fns}
     for _ in range(cfg.reps):
-        _sync(cuda, barrier=True)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(cfg.iters):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / cfg.iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(cfg.iters):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e6 / cfg.iters)
+        for name, fn in fns.items():
+            _sync(cuda, barrier=True)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(cfg.iters):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end) * 1e3 / cfg.iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(cfg.iters):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) * 1e6 / cfg.iters)
     tilecomm.check_errors()
-    return statistics.median(samples)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def _run_case(case: Case, cfg: Config, cuda: bool) -> dict:
@@ -232,8 +243,9 @@ def _run_case(case: Case, cfg: Config, cuda: bool) -> dict:
     ref = torch.empty_like(out)
     _verify(case, inp, out, ref, cuda, splits)
     ours, theirs = _functions(case.op)
-    t_ours = max(_gather(_time_us(lambda: ours(out, inp, **splits), cfg, cuda)))
-    t_base = max(_gather(_time_us(lambda: theirs(ref, inp, **splits), cfg, cuda)))
+    times = _times_us({"ours": lambda: ours(out, inp, **splits), "base": lambda: theirs(ref, inp, **splits)}, cfg,
+                      cuda)
+    t_ours, t_base = (max(_gather(times[k])) for k in ("ours", "base"))
     if on_heap is not None:
         tilecomm.free(on_heap)
     gbps = {"tilecomm": case.nbytes / t_ours / 1e3, "baseline": case.nbytes / t_base / 1e3}
@@ -260,7 +272,8 @@ def _header(cfg: Config, backend: str) -> str:
              f"inputs={inputs}",
              f"bytes per rank = {_BYTES_RULE[cfg.op]}; GB/s = bytes / time / 1e9",
              f"time = max over ranks of each rank's median µs per call ({cfg.reps} reps x {cfg.iters} calls, "
-             f"{cfg.warmup} warm-up, barrier between reps); ratio = baseline / tilecomm (> 1: tilecomm faster)"]
+             f"{cfg.warmup} warm-up, the two in turn in each rep, barrier between); "
+             "ratio = baseline / tilecomm (> 1: tilecomm faster)"]
     if backend == "cpu":
         lines.append("NOTE: cpu backend (Triton interpreter vs gloo): these timings check that the benchmark runs; "
                      "they are NOT meaningful performance numbers.")

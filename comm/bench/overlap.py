@@ -16,9 +16,10 @@ makes and frees a temporary workspace, a collective allocation that costs millis
 tc gemm = tilecomm.overlap.matmul alone, torch = torch.ops.symm_mem.fused_all_gather_matmul /
 fused_matmul_reduce_scatter (n/a where unavailable: they need CUDA). speedup = seq / fused,
 cap = (gemm + coll) / max(gemm, coll) (the speedup of a perfect overlap), eff = gemm / fused.
-Times as in collectives.py: max over ranks of each rank's median µs per call. Before timing, fused
-(and torch's, and tc gemm against gemm) must match the sequential result: relative Frobenius error
-below 2e-2 (bf16), 1e-2 (fp16), 1e-4 (fp32); otherwise every rank raises BenchMismatch.
+Times as in collectives.py: max over ranks of each rank's median µs per call, every rep timing each
+column in turn (timed one after another, the column timed first ran 5-7% faster: collectives._times_us).
+Before timing, fused (and torch's, and tc gemm against gemm) must match the sequential result: relative
+Frobenius error below 2e-2 (bf16), 1e-2 (fp16), 1e-4 (fp32); otherwise every rank raises BenchMismatch.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import tilecomm
 from tilecomm.overlap import AgGemmWorkspace, GemmRsWorkspace, ag_gemm, gemm_rs, matmul
 
 from .collectives import (_DIST_ALL_GATHER, _DIST_REDUCE_SCATTER, _DTYPES, BenchMismatch, RunConfig, _gather, _sync,
-                          _time_us)
+                          _times_us)
 
 OPS = ("ag_gemm", "gemm_rs")
 _MIB = 1 << 20
@@ -170,7 +171,8 @@ def _run_case(cfg: OverlapConfig, shape, cuda: bool) -> dict:
         _verify(label, fns, dt, cuda)
         torch_na = _try_torch_fused(fns, dt, cuda)
         names = _NAMES + (() if torch_na else ("torch",))
-        per_rank = {n: _gather(_time_us(fns[n], cfg, cuda)) for n in names}
+        mine = _times_us({n: fns[n] for n in names}, cfg, cuda)  # the columns in turn in every rep
+        per_rank = {n: _gather(mine[n]) for n in names}
         t = {n: max(us) for n, us in per_rank.items()}
     finally:
         fns["workspace"].free()
@@ -193,7 +195,8 @@ def _header(cfg: OverlapConfig, backend: str) -> str:
              f"(see tilecomm.bench.overlap); gemm = torch.matmul, coll = torch.distributed {coll} ({base}), "
              "seq = both in sequence, fused = tilecomm, tc gemm = tilecomm.overlap.matmul, torch = torch.ops.symm_mem fused op",
              f"time = max over ranks of each rank's median µs per call ({cfg.reps} reps x {cfg.iters} calls, "
-             f"{cfg.warmup} warm-up); speedup = seq / fused, cap = (gemm + coll) / max(gemm, coll), eff = gemm / fused"]
+             f"{cfg.warmup} warm-up, the columns in turn in each rep); speedup = seq / fused, "
+             "cap = (gemm + coll) / max(gemm, coll), eff = gemm / fused"]
     if backend == "cpu":
         lines.append("NOTE: cpu backend (Triton interpreter vs gloo): these timings check that the benchmark runs; "
                      "they are NOT meaningful performance numbers.")
