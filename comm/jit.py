@@ -307,10 +307,12 @@ def prepare_tma() -> None:
 
 
 def _direct_launcher(kernel):
-    """The C launch function behind a compiled kernel's `run`, with the arguments Triton's Python
-    wrapper puts before the kernel's own, when that wrapper adds nothing else (no global or profile
-    scratch memory; Triton 3.5/3.6's CudaLauncher, recognised by its source). None otherwise: the
-    caller goes through `kernel.run`."""
+    """(the C launch function behind a compiled kernel's `run`, the arguments Triton's Python wrapper puts
+    before the kernel's own, the global scratch bytes per program) when that wrapper adds nothing but the
+    global scratch (Triton 3.5/3.6's CudaLauncher, recognised by its source): kernels that build TMA descriptors
+    on the device need 128 bytes per descriptor per program, and `_run_compiled` allocates them as the wrapper
+    does (one torch.empty on the launch's device, stream-ordered), without the wrapper's closures and lookups.
+    None otherwise (profile scratch, another wrapper, over-aligned scratch): the caller goes through `kernel.run`."""
     import inspect
 
     launcher = kernel.run
@@ -322,28 +324,37 @@ def _direct_launcher(kernel):
     flat = " ".join(source.split())
     if expected not in flat or "global_scratch, profile_scratch, *args)" not in flat:
         return None
-    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+    size, align = getattr(launcher, "global_scratch_size", None), getattr(launcher, "global_scratch_align", None)
+    if size is None or align is None or getattr(launcher, "profile_scratch_size", 1) or align > _ALLOC_ALIGN:
         return None
+    per_program = size * getattr(launcher, "num_ctas", 1)
     prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata, None, None,
               None)
-    return launcher.launch, prefix
+    return launcher.launch, prefix, per_program
+
+
+_ALLOC_ALIGN = 256  # torch's CUDA caching allocator returns blocks aligned to (at least) this many bytes
 
 
 def _run_compiled(entry, grid, device_index: int, values) -> None:
-    """Launch a CachedLaunch entry (run, function, prefix, constexprs) with the launcher's values on the
-    current stream of the device, after raising any device error the runtime recorded."""
-    run, function, prefix, consts = entry
+    """Launch a CachedLaunch entry (run, function, prefix, constexprs, global scratch bytes per program) with the
+    launcher's values on the current stream of the device, after raising any device error the runtime recorded."""
+    run, function, prefix, consts, scratch = entry
     runtime.check_errors()
     stream = torch._C._cuda_getCurrentRawStream(device_index)
     n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, *prefix, *values, *consts)
+    gx, gy, gz = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+    if scratch:  # a fresh block per launch, as Triton's wrapper takes one (freed after the launch, stream-ordered)
+        prefix = prefix[:2] + (torch.empty(gx * gy * gz * scratch, dtype=torch.int8, device=device_index),) + prefix[3:]
+    run(gx, gy, gz, stream, function, *prefix, *values, *consts)
 
 
 class CachedLaunch:
     """Launch one TileKernel the way a hot path needs: on GPUs, through the compiled kernel itself,
     skipping Triton's per-call argument binding, cache lookup and pointer queries (tens of µs for a
-    kernel with twenty parameters), and, where Triton's launcher wrapper adds nothing (no scratch
-    memory), straight into its C launch function; on CPU ranks, the ordinary interpreted launch.
+    kernel with twenty parameters), and, where Triton's launcher wrapper adds nothing but the global scratch
+    (which `_run_compiled` then allocates), straight into its C launch function; on CPU ranks, the ordinary
+    interpreted launch.
 
     `launch(grid, key, *args, **constexprs)`: `key` names the constexpr configuration (the caller's
     own, cheap to build: the same key must always come with the same constexprs). What Triton
@@ -399,9 +410,9 @@ class CachedLaunch:
             direct = _direct_launcher(kernel)
             if direct is None:
                 prefix = (kernel.packed_metadata, None, None, None)
-                self.kernels[(key, spec)] = (kernel.run, kernel.function, prefix, consts)
+                self.kernels[(key, spec)] = (kernel.run, kernel.function, prefix, consts, 0)
             else:
-                self.kernels[(key, spec)] = (direct[0], kernel.function, direct[1], consts)
+                self.kernels[(key, spec)] = (direct[0], kernel.function, direct[1], consts, direct[2])
             return
         _run_compiled(entry, grid, first.get_device(), values)
 

@@ -71,7 +71,11 @@ def _kernel_kwargs(cfg: GemmConfig, launcher: CachedLaunch) -> dict:
 # 128x256x64, 8 warps, 3 stages was best on every large shape. H200: GROUP_M 16 / 2-way epilogue split 96.3% of
 # cuBLAS (geomean, five bar shapes), GROUP_M 8 / no split 96.2%; H100 (8192x7168x8192, 8192x3584x4096):
 # GROUP_M 8 / no split 100.0% / 101.1%, GROUP_M 16 / split 96.5% / 102.1%: the table takes GROUP_M 8, no split.
-# "narrow" / "small" are not measured yet: at 1000^3 every candidate took 40-100 µs (cuBLAS 11 µs).
+# "narrow" / "small": not swept on their own. "tiny" (matmul only: fewer than TINY_TILES tiles of 128x256, under half
+# the SMs busy): tests/small_gemm_probe.py, one H200, 2026-11-28, kernel µs (torch.profiler) against the bucket's
+# config before: 1000^3 12.6 against 14.8 ("small", 64x64), 1024^3 8.9 against 15.6 ("mid", 128x256: 32 programs),
+# 256x4096x4096 20.6 against 25.5 ("narrow", 128x128); cuBLAS 7.2 / 5.3 / 14.9. 2048^3 (128 tiles) keeps "mid":
+# 26.9 against 38.9 with 64x128. At these sizes the call's host time (~40 µs, cuBLAS's ~17) is the larger part.
 # "mid" (fewer than 1024 tiles of 128x256, about 8 waves on 132 SMs): H200 sweep of 2026-11-26 (0c86f49),
 # 8192x3584x4096: GROUP_M 4 97.6% of cuBLAS, GROUP_M 8 93.8%, 16 94.3%; 2048x8192x7168 and 4096^3: GROUP_M 4
 # 101.9 / 103.6%, GROUP_M 8 102.5 / 104.0% (the same within the sweep's spread).
@@ -80,6 +84,7 @@ _TABLE = {
     "mid": GemmConfig(128, 256, 64, 4, 8, 3, 1, False),    # M >= 1024 and N >= 1024, fewer tiles
     "narrow": GemmConfig(128, 128, 64, 8, 8, 4, 1, False),  # one of M, N below 1024
     "small": GemmConfig(64, 64, 64, 8, 4, 4, 1, False),     # both below 1024
+    "tiny": GemmConfig(64, 128, 64, 8, 4, 4, 1, False),     # matmul with fewer than TINY_TILES tiles of 128x256
     "fp32": GemmConfig(64, 64, 32, 8, 4, 3, 1, False),      # IEEE fp32 FMA path: small tiles, no spills
 }
 _CPU = GemmConfig(16, 16, 16, 2, 1, 1, 1, False)  # interpreter: small tiles keep CPU ranks fast
@@ -100,6 +105,17 @@ def bucket(m: int, n: int, dtype: torch.dtype) -> str:
     if min(m, n) >= 1024:
         return "large" if cdiv(m, 128) * cdiv(n, 256) >= 1024 else "mid"
     return "narrow" if max(m, n) >= 1024 else "small"
+
+
+TINY_TILES = 64
+
+
+def matmul_bucket(m: int, n: int, dtype: torch.dtype) -> str:
+    """`bucket`, and "tiny" for a 16-bit product of fewer than TINY_TILES 128x256 tiles (matmul's whole output;
+    not the grouped kernels', whose m is the rows of one expert)."""
+    if dtype != torch.float32 and cdiv(m, 128) * cdiv(n, 256) < TINY_TILES:
+        return "tiny"
+    return bucket(m, n, dtype)
 
 
 class GemmTuner:
@@ -127,9 +143,11 @@ class GemmTuner:
         return self.chosen[key]
 
 
-def resolve_config(config, m: int, n: int, dtype: torch.dtype, device: torch.device, run, table=None) -> GemmConfig:
-    """config: None (the table's entry for an [m, n] output; table: _TABLE unless given), a GemmConfig, or a
-    GemmTuner (which times `run(cfg)`, a plain tile GEMM of the call's operands, once per bucket)."""
+def resolve_config(config, m: int, n: int, dtype: torch.dtype, device: torch.device, run, table=None,
+                   bucket_of=bucket) -> GemmConfig:
+    """config: None (the table's entry for an [m, n] output, in the bucket `bucket_of` names; table: _TABLE unless
+    given), a GemmConfig, or a GemmTuner (which times `run(cfg)`, a plain tile GEMM of the call's operands, once
+    per bucket)."""
     if isinstance(config, GemmConfig):
         return config
     if config is not None and not isinstance(config, GemmTuner):
@@ -137,8 +155,8 @@ def resolve_config(config, m: int, n: int, dtype: torch.dtype, device: torch.dev
     if device.type != "cuda":
         return _CPU
     if isinstance(config, GemmTuner) and dtype != torch.float32:
-        return config.pick((bucket(m, n, dtype), dtype), run)
-    return (table or _TABLE)[bucket(m, n, dtype)]
+        return config.pick((bucket_of(m, n, dtype), dtype), run)
+    return (table or _TABLE)[bucket_of(m, n, dtype)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,6 +376,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config=None) -> torch.Tensor:
         return c.zero_()
     a, _ = tma_operand(a)
     bt, b_trans = tma_operand(b, allow_trans=True)
-    cfg = resolve_config(config, M, N, a.dtype, a.device, lambda cfg: _launch_matmul(a, bt, b_trans, c, cfg))
+    cfg = resolve_config(config, M, N, a.dtype, a.device, lambda cfg: _launch_matmul(a, bt, b_trans, c, cfg),
+                         bucket_of=matmul_bucket)
     _launch_matmul(a, bt, b_trans, c, cfg)
     return c

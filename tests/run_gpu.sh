@@ -39,6 +39,8 @@
 #          (zero_ / copy_ of the same bytes), one GPU (WGRAD_CONFIGS / WGRAD_SHAPES: its --configs / --shapes; WGRAD_ARGS:
 #          more flags, e.g. --store-tiles)
 #          -> $OUT/wgrad_probe.log
+#   smallgemm  tests/small_gemm_probe.py: overlap.matmul on small shapes (1000^3 ...), each config's kernel / host /
+#          wall / do_bench time beside cuBLAS's (one GPU) -> $OUT/small_gemm_probe.log
 #   wgradncu  ncu of the DeepSeek-like gate_up weight-gradient kernel (tests/wgrad_probe.py --once): throughput of
 #          DRAM / L2 / SM, warp stall reasons -> $OUT/wgrad.ncu-rep
 #   llworld  tests/ll_probe.py --default on every GPU (one rank each): low-latency dispatch / combine at world W, the send
@@ -92,6 +94,11 @@ if has llncu; then  # one low-latency dispatch and combine kernel of world 1 und
     ncu --import "$OUT/ll_$k.ncu-rep" --page details 2>&1 | grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|Warp Cycles Per Issued|Stall|One or More|No Eligible" | head -30
     ncu --import "$OUT/ll_$k.ncu-rep" --page source --csv --print-source sass 2>/dev/null > "$OUT/ll_${k}_sass.csv" || true
   done
+fi
+
+if has smallgemm; then
+  timeout "${SMALL_GEMM_TIMEOUT:-240}" python3 tests/small_gemm_probe.py 2>&1 \
+    | grep -v "named symbol not found\|UserWarning\|_warn_once" | tee "$OUT/small_gemm_probe.log"
 fi
 
 if has wgradprobe; then

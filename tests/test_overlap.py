@@ -190,6 +190,23 @@ def test_matmul_alone(dtype, M, N, K):
         assert _rel(got, want) < TOL[dtype]
 
 
+def test_matmul_table_buckets():
+    """matmul's table entry by its whole output (a product of few 128x256 tiles takes the "tiny" tiles); the grouped
+    kernels bucket by one expert's rows, so `bucket` itself has no "tiny"; fp32 keeps its FMA tiles; CPU ranks
+    take the interpreter's tiles."""
+    from tilecomm.overlap.tiles import _CPU, _TABLE, bucket, matmul_bucket, resolve_config
+
+    bf16, gpu = torch.bfloat16, torch.device("cuda")  # (a device object: no GPU needed)
+    want = {(1000, 1000): "tiny", (1024, 1024): "tiny", (256, 4096): "tiny", (2048, 2048): "mid",
+            (8192, 8192): "large", (64, 16384): "narrow", (900, 900): "tiny"}
+    for (m, n), name in want.items():
+        assert matmul_bucket(m, n, bf16) == name, (m, n)
+        assert resolve_config(None, m, n, bf16, gpu, None, bucket_of=matmul_bucket) == _TABLE[name]
+    assert matmul_bucket(1000, 1000, torch.float32) == "fp32"
+    assert bucket(1000, 1000, bf16) == "small" and bucket(1024, 1024, bf16) == "mid"
+    assert resolve_config(None, 1000, 1000, bf16, torch.device("cpu"), None, bucket_of=matmul_bucket) == _CPU
+
+
 def mismatched_shapes(op):
     """Ranks that disagree on m / M / N raise PeerMismatchError naming both ranks (no hang, no wrong data)."""
     rank = tilecomm.rank()
