@@ -35,8 +35,7 @@ Two ways (`AgGemmWorkspace.push`):
 
 The persistent GEMM (`_gemm_kernel`, the TMA tile GEMM of tiles.py) reads every shard through one descriptor of
 the gather buffer [W, m, K] made once per program; a flag covers `flag_rows` rows of a member's shard (copy: the
-whole shard, so a program waits once per shard and runs the shard's tiles in matmul's flattened loop, the next
-tile's loads in flight during a tile's epilogue; kernel: one row tile, waited for before each tile).
+whole shard; kernel: one row tile).
 
 The gather buffer is double-buffered by call parity, so no call waits for the members to have read the last
 one: call e + 1 writes the buffer call e - 1 used, and it starts (the push stream waits for the current one)
@@ -70,9 +69,6 @@ _PUSH_PROGRAMS = 8  # push="kernel": programs per peer
 # False: the copy engine also copies the own shard into its gather slot and the persistent GEMM computes all W
 # shards (the form of 2026-11-27 before bc42dae, but for that local copy), for tests/copy_push_probe.py to compare
 OWN_SHARD_BY_CUBLAS = True
-# push="copy" (one flag per shard): the persistent GEMM waits once per shard and pipelines its tiles as matmul does
-# (_gemm_kernel); False: a wait before every tile, as under push="kernel" (tests/copy_push_probe.py compares)
-SHARD_WAITS = True
 
 
 class AgGemmWorkspace(OpWorkspace):
@@ -131,15 +127,9 @@ def _gemm_kernel(gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, fir
                  flag_stride, flag_rows, stride_b, stride_cm, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr, SHARD_FLAGS: tl.constexpr):
+                 PDL: tl.constexpr):
     """C's rows of shards me + first_step, me + first_step + 1, ... (mod W), read from the gather buffer, each
-    tile once the flag of its rows (flag_rows rows per flag) holds the call's epoch.
-
-    A program takes tiles pid, pid + P, ... of the shards in that order. SHARD_FLAGS (one flag per shard: the copy
-    push): it waits once per shard, then runs that shard's tiles in one flattened loop, the tile and K loops
-    pipelined together as matmul's are (the next tile's loads in flight during a tile's epilogue). Otherwise (a flag
-    per row tile: the push kernel) it waits before every tile, so its tile loop is not flattened and every tile
-    pays its pipeline's fill and its epilogue."""
+    tile once the flag of its rows (flag_rows rows per flag) holds the call's epoch."""
     a_desc = desc3(gather_ptr, W, m, K, slot_stride, stride_gm, BLOCK_M, BLOCK_K)  # every slot, made once
     # one group: any aligned group stride will do
     b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
@@ -147,34 +137,16 @@ def _gemm_kernel(gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, fir
                      C_TMA)
     tiles_m = tl.cdiv(m, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_shard = tiles_m * tiles_n
-    P = tl.num_programs(0)
-    if SHARD_FLAGS:
-        for step in range(0, W - first_step):
-            src = (me + first_step + step) % W
-            lo = step * per_shard
-            tok = tcl.wait(flags_ptr + src * flag_stride, epoch, tcl.CMP_GE)  # the push's flag of the whole shard
-            g = tcl.proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the pushed data
-            c_src = c_ptr + tl.cast(src, tl.int64) * m * stride_cm
-            # this program's tiles of the shard: the first tile >= lo that is pid mod P, then every P-th
-            for tile in tl.range(lo + (tl.program_id(0) - lo % P + P) % P, lo + per_shard, P,
-                                 flatten=not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
-                pid_m, pid_n = tile_position(tile - lo, tiles_m, tiles_n, GROUP_M)
-                acc = tile_product(a_desc, g, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N,
-                                   BLOCK_K, B_TRANS, PRECISION)
-                store_tile(c_desc, src, c_src, stride_cm, m, N, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M,
-                           BLOCK_N, EPILOGUE_SPLIT, C_TMA)
-    else:
-        for tile in range(tl.program_id(0), (W - first_step) * per_shard, P):
-            src = (me + first_step + tile // per_shard) % W
-            pid_m, pid_n = tile_position(tile % per_shard, tiles_m, tiles_n, GROUP_M)
-            flag = flags_ptr + src * flag_stride + pid_m * BLOCK_M // flag_rows
-            tok = tcl.wait(flag, epoch, tcl.CMP_GE)  # the push's flag of these rows
-            g = tcl.proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the pushed data
-            acc = tile_product(a_desc, g, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                               B_TRANS, PRECISION)
-            store_tile(c_desc, src, c_ptr + tl.cast(src, tl.int64) * m * stride_cm, stride_cm, m, N, acc,
-                       pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
+    for tile in range(tl.program_id(0), (W - first_step) * tiles_m * tiles_n, tl.num_programs(0)):
+        src = (me + first_step + tile // (tiles_m * tiles_n)) % W
+        pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+        flag = flags_ptr + src * flag_stride + pid_m * BLOCK_M // flag_rows
+        tok = tcl.wait(flag, epoch, tcl.CMP_GE)  # the push's flag of these rows
+        g = tcl.proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the pushed data
+        acc = tile_product(a_desc, g, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           B_TRANS, PRECISION)
+        store_tile(c_desc, src, c_ptr + tl.cast(src, tl.int64) * m * stride_cm, stride_cm, m, N, acc,
+                   pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
     if PDL:  # the push this grid trails has ended too: what follows on the stream is ordered after both
         tl.extra.cuda.gdc_wait()
 
@@ -292,8 +264,7 @@ def _launch_gemm(g, b, c, ws: AgGemmWorkspace, epoch: int, team, cfg, first_step
     launch_gemm(_GEMM, (W - first_step) * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, g, bt, c, ws.flags,
                 epoch, m, N, K, team.index, W, first_step, g.stride(1), g.stride(0), cdiv(ws.max_rows, MIN_BLOCK_M),
                 flag_rows, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=c.stride(0) * c.element_size() % 16 == 0,
-                PRECISION=dot_precision(g.dtype), PDL=pdl, SHARD_FLAGS=SHARD_WAITS and flag_rows >= m,
-                **({"launch_pdl": True} if pdl else {}))
+                PRECISION=dot_precision(g.dtype), PDL=pdl, **({"launch_pdl": True} if pdl else {}))
 
 
 def ag_gemm_reference(a_shard: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Where the copy push's time goes (a diagnostic for issue 14's ag_gemm / gemm_rs bars, 1+ GPUs):
+"""Where the copy push's time goes (a diagnostic for issue 14's ag_gemm / gemm_rs bars, 2+ GPUs):
 
     torchrun --nproc-per-node 4 tests/copy_push_probe.py
 
@@ -9,10 +9,8 @@ ranks of each rank's median, as the bench times them):
   no copies   the same with the copy engine's copies skipped (flags still written: the result is wrong, the
               GEMMs and waits are the op's): fused - no copies = what the copies cost the GEMMs
   FLAG=value  the op's other form: gemm_rs.FUSED_OWN_BLOCK (True: the fused kernel's own tiles add the slots in their
-              epilogue; False: cuBLAS, then an add pass), ag_gemm.OWN_SHARD_BY_CUBLAS (False: the own shard copied
-              into its gather slot too and every shard through the persistent GEMM) and ag_gemm.SHARD_WAITS (False:
-              the persistent GEMM waits before every tile, its tile loop not flattened), each flipped from its default,
-              and the last two together (at W = 1, where the op has no peer shard, only that form shows SHARD_WAITS)
+              epilogue; False: cuBLAS, then an add pass) or ag_gemm.OWN_SHARD_BY_CUBLAS (False: the own shard copied
+              into its gather slot too and every shard through the persistent GEMM), flipped from its default
   host        µs the host takes to issue one call (20 calls, no synchronize between): above the GPU's time the
               op is host-bound
 Not a test: the bench checks the results.
@@ -77,19 +75,12 @@ def main():
                 ws.issuer.copy = lambda *args: None  # the copies skipped, the flags still written
                 times["no copies"] = _time_us(fns["fused"], cfg, True)
                 ws.issuer.copy = copy
-                # the op's other forms (gemm_rs.FUSED_OWN_BLOCK; ag_gemm.OWN_SHARD_BY_CUBLAS, ag_gemm.SHARD_WAITS,
-                # and both: at W = 1 only the own shard's persistent GEMM shows SHARD_WAITS)
-                module = rs if op == "gemm_rs" else ag
-                forms = ([("FUSED_OWN_BLOCK",)] if op == "gemm_rs"
-                         else [("OWN_SHARD_BY_CUBLAS",), ("SHARD_WAITS",), ("OWN_SHARD_BY_CUBLAS", "SHARD_WAITS")])
-                for flipped in forms:
-                    defaults = {flag: getattr(module, flag) for flag in flipped}
-                    for flag, default in defaults.items():
-                        setattr(module, flag, not default)
-                    times[",".join(f"{flag}={not d}" for flag, d in defaults.items())] = _time_us(fns["fused"], cfg,
-                                                                                                  True)
-                    for flag, default in defaults.items():
-                        setattr(module, flag, default)
+                # the own block's / shard's other form (gemm_rs.FUSED_OWN_BLOCK, ag_gemm.OWN_SHARD_BY_CUBLAS)
+                module, flag = (rs, "FUSED_OWN_BLOCK") if op == "gemm_rs" else (ag, "OWN_SHARD_BY_CUBLAS")
+                default = getattr(module, flag)
+                setattr(module, flag, not default)
+                times[f"{flag}={not default}"] = _time_us(fns["fused"], cfg, True)
+                setattr(module, flag, default)
                 torch.cuda.synchronize()
                 dist.barrier()
                 every = [None] * W

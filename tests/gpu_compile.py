@@ -39,7 +39,7 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
-LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ", "SHARD_FLAGS")
+LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ")
 # gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
@@ -59,10 +59,6 @@ PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_pt
 PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "OPEN": False, "OUT_HEAP": False,
          "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536, "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "",
          "KEEP": "", "TMA_PUSH": False, "TMA_READ": False}
-AG_GEMM_SIG = {"gather_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": I64P, "epoch": I64, "m": "i32",
-               "N": "i32", "K": "i32", "me": "i32", "W": "i32", "first_step": "i32", "stride_gm": "i32",
-               "slot_stride": I64, "flag_stride": "i32", "flag_rows": "i32", "stride_b": "i32", "stride_cm": "i32",
-               **GEMM_SIG, "PDL": "constexpr", "SHARD_FLAGS": "constexpr"}
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
@@ -92,9 +88,10 @@ CASES = [
     (og._push_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "flags_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "m": "i32", "K": "i32", "stride_gm": "i32", "slot_stride": I64,
                        "flag_stride": "i32", "me": "i32", "W": "i32", "BLOCK_M": "constexpr", "PDL": "constexpr"},
      {"BLOCK_M": 128, "PDL": True}),
-    # a wait per tile (push="kernel", PDL), and the copy push's form: one wait per shard, its tiles in a flattened loop
-    (og._gemm_kernel, AG_GEMM_SIG, dict(GEMM, PDL=True, SHARD_FLAGS=False)),
-    (og._gemm_kernel, AG_GEMM_SIG, dict(GEMM, PDL=False, SHARD_FLAGS=True)),
+    (og._gemm_kernel, {"gather_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": I64P,
+                       "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32", "first_step": "i32",
+                       "stride_gm": "i32", "slot_stride": I64, "flag_stride": "i32", "flag_rows": "i32",
+                       "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG, "PDL": "constexpr"}, dict(GEMM, PDL=True)),
     *((rs._gemm_rs_kernel, RS_SIG, dict(GEMM, WAIT_LATE=late)) for late in (False, True)),
     (rs._add_slots_kernel, {"recv_ptr": "*bf16", "out_ptr": "*bf16", "flags_ptr": I64P, "epoch": I64, "me": "i32",
                             "W": "i32", "numel": "i32", "slot_stride": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),
