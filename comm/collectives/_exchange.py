@@ -39,7 +39,8 @@ the host and a captured CUDA graph replays correctly):
             ring, no handshake per chunk. (Both outputs: a writer whose own output is not on the heap never
             waits for the receive header, so a call where only some ranks pass heap outputs stays correct,
             staged or in place.) On 2 H200s (2026-11-27) DIRECT by vector stores, and by TMA with a wait per
-            chunk, moved 4096x7168 no faster than staging; hence off by default.
+            chunk, moved 4096x7168 no faster than staging; on 4 H200s (2026-11-28) 2-3% faster than in place,
+            slower than staging ordinary tensors; hence off by default.
 3. finish   the reader SETs `done = e << 32 | ALL`. A writer whose input is read in place waits for it
             before it exits, so the input is free for the caller's next kernel; a staged or DIRECT writer's
             input was read only by itself, so it exits at once (step 0 of its next call waits instead).

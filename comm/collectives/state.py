@@ -143,7 +143,8 @@ class CollectiveState:
     # must agree (its readers announce where they take data: every rank creates its state with the same knobs). Off
     # by default: on 2 H200s (2026-11-27, vector stores, TMA waiting per chunk) it moved 4096x7168 no faster than
     # staging (112.4 against 107.7 µs), and one world-1 run of heap tensors read 1.40x a copy against 1.29 in place
-    # on another machine
+    # on another machine; on 4 H200s (2026-11-28) it beat the in-place heap exchange by 2-3% (163.7 / 166.9 µs by
+    # vector / TMA stores against 169.5) but not staging on ordinary tensors (158.3), and lost at 128 rows
     direct: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
