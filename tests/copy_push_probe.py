@@ -1,9 +1,14 @@
-"""Where the copy push's time goes (a diagnostic for issue 14's ag_gemm / gemm_rs bars, 2+ GPUs):
+"""Where the copy push's time goes (a diagnostic for issue 14's ag_gemm / gemm_rs bars, any number of GPUs):
 
     torchrun --nproc-per-node 4 tests/copy_push_probe.py
+    PROBE_TP=4 torchrun --nproc-per-node 1 tests/copy_push_probe.py   # one GPU, the bar shapes at TP = 4
+
+At W = 1 the op has no peer shard: with OWN_SHARD_BY_CUBLAS=False its one shard goes through the persistent GEMM
+(a wait before each tile, the tile loop unflattened), which `tc matmul` times beside it on the same product.
 
 For each bar shape (tilecomm.bench.overlap's), beside cuBLAS's whole GEMM in the same run (µs per call, max over
 ranks of each rank's median, as the bench times them):
+  tc matmul   tilecomm.overlap.matmul of the whole product (the persistent TMA GEMM without shards or waits)
   blocks      the W row-block GEMMs of the op, back to back, no communication (what the op computes, in pieces)
   fused       the op with its workspace (push="copy")
   no copies   the same with the copy engine's copies skipped (flags still written: the result is wrong, the
@@ -64,11 +69,12 @@ def main():
     device = torch.device("cuda", local)
     cfg = RunConfig(warmup=5, reps=20, iters=10, json_path=None, seed=0)
     for op in ("ag_gemm", "gemm_rs"):
-        for shape in _gpu_shapes(op, W):
+        for shape in _gpu_shapes(op, int(os.environ.get("PROBE_TP", W))):  # (the bar shapes' N at that TP)
             fns = _problem(op, shape, torch.bfloat16, device)
             ws = fns["workspace"]
             try:
-                rows = {"cuBLAS whole": fns["gemm"], "blocks": _blocks(shape, W, device), "fused": fns["fused"]}
+                rows = {"cuBLAS whole": fns["gemm"], "tc matmul": fns["tc_gemm"], "blocks": _blocks(shape, W, device),
+                        "fused": fns["fused"]}
                 times = {name: _time_us(fn, cfg, True) for name, fn in rows.items()}
                 host = _host_us(fns["fused"])
                 copy = ws.issuer.copy

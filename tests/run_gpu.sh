@@ -52,7 +52,8 @@
 #          tensors: CollectiveState(direct=True), with and without TMA) and NCCL's
 #          (2+ GPUs) -> $OUT/a2a_engine.log
 #   copyprobe  tests/copy_push_probe.py: ag_gemm / gemm_rs with the copy push beside cuBLAS's whole GEMM, its row blocks
-#          alone, the op with its copies skipped, and the host's µs per call (2+ GPUs) -> $OUT/copy_push_probe.log
+#          alone, tilecomm's matmul of the whole product, the op with its copies skipped, and the host's µs per call
+#          (any GPUs; on one, PROBE_TP=4 for the bar shapes at TP = 4, not run on one GPU yet) -> $OUT/copy_push_probe.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -138,7 +139,7 @@ if has a2aengine && [ "$NGPU" -ge 2 ]; then
     | sed -u "s/.*named symbol not found//" | tee "$OUT/a2a_engine.log" | grep -E "world|Error"
 fi
 
-if has copyprobe && [ "$NGPU" -ge 2 ]; then
+if has copyprobe; then
   timeout "${COPY_PROBE_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$NGPU" tests/copy_push_probe.py 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/copy_push_probe.log" | grep -E "world|Error"
 fi
