@@ -19,8 +19,10 @@ Two ways (`AgGemmWorkspace.push`):
   a wait kernel, to 1.23x / 1.13x. This form: 1.07x / 1.05x on 2 H200s, 1.24x / 1.09x on 4 (2026-11-27 from
   21:01 UTC): at W = 4 the small shape's W row-block GEMMs alone cost 1.20x the whole one, and the persistent
   GEMM alone 1.11x cuBLAS.
-  (OWN_SHARD_BY_CUBLAS = False: the copy engine also copies the own shard into its gather slot and the
-  persistent GEMM computes all W shards, for comparison.)
+  Two other forms of the own shard (`OWN_SHARD`): "in_place", one persistent GEMM over all W shards whose own
+  shard's tiles come first and read a_shard itself (no copy, no wait; the one wave tail of the whole product
+  instead of the cuBLAS GEMM's and the peer shards' two), and "copied" (the copy engine copies the own shard into
+  its gather slot too; for comparison).
 * "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
   programs per member, tcl.put row by row and tcl.signal per row tile, puts the shard into every member's gather
   slot, its own included (a put at distance 0: the own shard takes the path a peer's does), and one persistent
@@ -65,10 +67,12 @@ from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, laun
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
 _PUSH_PROGRAMS = 8  # push="kernel": programs per peer
-# push="copy": True: the own shard's rows by cuBLAS, the persistent GEMM over the peer shards (module docstring);
-# False: the copy engine also copies the own shard into its gather slot and the persistent GEMM computes all W
-# shards (the form of 2026-11-27 before bc42dae, but for that local copy), for tests/copy_push_probe.py to compare
-OWN_SHARD_BY_CUBLAS = True
+# push="copy", the own shard's rows (module docstring): "cublas" (one cuBLAS GEMM, the persistent GEMM over the
+# peer shards), "in_place" (the persistent GEMM over every shard, the own one read from a_shard with no wait) or
+# "copied" (the copy engine also copies the own shard into its gather slot, then the persistent GEMM over every
+# shard: the form of 2026-11-27 before bc42dae, kept for tests/copy_push_probe.py to compare)
+OWN_SHARD = "cublas"
+OWN_SHARD_FORMS = ("cublas", "in_place", "copied")
 
 
 class AgGemmWorkspace(OpWorkspace):
@@ -123,13 +127,16 @@ def _push_kernel(a_ptr, gather_ptr, flags_ptr, pes_ptr, epoch, m, K, stride_gm, 
 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
-def _gemm_kernel(gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, first_step, stride_gm, slot_stride,
-                 flag_stride, flag_rows, stride_b, stride_cm, BLOCK_M: tl.constexpr,
+def _gemm_kernel(gather_ptr, own_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, first_step, stride_gm, stride_om,
+                 slot_stride, flag_stride, flag_rows, stride_b, stride_cm, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr, C_TMA: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, OWN_IN_PLACE: tl.constexpr):
     """C's rows of shards me + first_step, me + first_step + 1, ... (mod W), read from the gather buffer, each
-    tile once the flag of its rows (flag_rows rows per flag) holds the call's epoch."""
+    tile once the flag of its rows (flag_rows rows per flag) holds the call's epoch. OWN_IN_PLACE (first_step
+    0): the own shard's tiles come first and read own_ptr (the caller's shard, row stride stride_om) with no
+    wait, in matmul's flattened loop; the tile numbering is the same, so the peer tiles follow on each program
+    as if one loop ran (one wave tail for the whole product)."""
     a_desc = desc3(gather_ptr, W, m, K, slot_stride, stride_gm, BLOCK_M, BLOCK_K)  # every slot, made once
     # one group: any aligned group stride will do
     b_desc = b_desc3(b_ptr, 1, K, N, tl.cast(K + N, tl.int64) * stride_b, stride_b, BLOCK_K, BLOCK_N, B_TRANS)
@@ -137,9 +144,22 @@ def _gemm_kernel(gather_ptr, b_ptr, c_ptr, flags_ptr, epoch, m, N, K, me, W, fir
                      C_TMA)
     tiles_m = tl.cdiv(m, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), (W - first_step) * tiles_m * tiles_n, tl.num_programs(0)):
-        src = (me + first_step + tile // (tiles_m * tiles_n)) % W
-        pid_m, pid_n = tile_position(tile % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    per_shard = tiles_m * tiles_n
+    start = tl.program_id(0)
+    if OWN_IN_PLACE:
+        own_desc = desc3(own_ptr, 1, m, K, tl.cast(m, tl.int64) * stride_om, stride_om, BLOCK_M, BLOCK_K)
+        for tile in tl.range(start, per_shard, tl.num_programs(0), flatten=not WARP_SPECIALIZE,
+                             warp_specialize=WARP_SPECIALIZE):
+            pid_m, pid_n = tile_position(tile, tiles_m, tiles_n, GROUP_M)
+            acc = tile_product(own_desc, 0, pid_m * BLOCK_M, b_desc, 0, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                               B_TRANS, PRECISION)
+            store_tile(c_desc, me, c_ptr + tl.cast(me, tl.int64) * m * stride_cm, stride_cm, m, N, acc,
+                       pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, C_TMA)
+        # this program's first tile past the own shard's
+        start += tl.cdiv(tl.maximum(per_shard - start, 0), tl.num_programs(0)) * tl.num_programs(0)
+    for tile in range(start, (W - first_step) * per_shard, tl.num_programs(0)):
+        src = (me + first_step + tile // per_shard) % W
+        pid_m, pid_n = tile_position(tile % per_shard, tiles_m, tiles_n, GROUP_M)
         flag = flags_ptr + src * flag_stride + pid_m * BLOCK_M // flag_rows
         tok = tcl.wait(flag, epoch, tcl.CMP_GE)  # the push's flag of these rows
         g = tcl.proxy_fence(tcl.consume_token(src, tok))  # TMA reads see the pushed data
@@ -178,9 +198,12 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool = Fals
     return_gathered, also the gathered A [W*m, K] (a copy). b may be row- or column-major. workspace:
     an AgGemmWorkspace for this group, K and dtype (None: a temporary one, made and freed in the call;
     slower). config: the persistent GEMM's tiles (tiles.resolve_config): every shard under push="kernel",
-    the peer shards under push="copy" (the own shard is cuBLAS's). Collective over the group (None: the world)."""
+    the peer shards under push="copy" (the own shard is cuBLAS's unless OWN_SHARD says otherwise). Collective over
+    the group (None: the world)."""
     what = "tilecomm.overlap.ag_gemm"
     team = _check(what, a_shard, b, group, workspace)
+    if OWN_SHARD not in OWN_SHARD_FORMS:
+        raise ValueError(f"{what}: ag_gemm.OWN_SHARD = {OWN_SHARD!r}; expected one of {OWN_SHARD_FORMS}")
     (m, K), N, W, me = a_shard.shape, b.shape[1], team.size, team.index
     ws = workspace or AgGemmWorkspace(K, a_shard.dtype, max(m, 1), group)
     c = torch.empty((W * m, N), dtype=a_shard.dtype, device=a_shard.device)
@@ -229,8 +252,11 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     caller's stream); a call with nothing to copy queues nothing there."""
     (m, K), W, me = a_shard.shape, team.size, team.index
     pdl = ws.push == "kernel" and ws.pdl
-    first_step = 1 if ws.push == "copy" and OWN_SHARD_BY_CUBLAS else 0
-    side_stream = ws.stream is not None and not pdl and (W > 1 or first_step == 0 and ws.push == "copy")
+    own = OWN_SHARD if ws.push == "copy" else "copied"  # (the push kernel puts the own shard too: distance 0)
+    first_step = 1 if own == "cublas" else 0
+    # the steps the push copies: none of the own shard's unless "copied"
+    push_from = 0 if own == "copied" else 1
+    side_stream = ws.stream is not None and not pdl and (W > 1 if ws.push == "kernel" else W > push_from)
     if side_stream:
         ws.queued.record(torch.cuda.current_stream(a_shard.device))  # the push after what the caller queued
         ws.stream.wait_event(ws.queued)
@@ -238,8 +264,8 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     cfg = resolve_config(config, max(W - first_step, 1) * m, b.shape[1], a_shard.dtype, a_shard.device,
                          lambda cfg: matmul(a_shard, b, cfg))
     if ws.push == "copy":
-        _push_by_copy(a_shard, ws, epoch, team, first_step)
-        if first_step:
+        _push_by_copy(a_shard, ws, epoch, team, push_from)
+        if own == "cublas":
             torch.mm(a_shard, b, out=c[me * m:(me + 1) * m])  # cuBLAS, while the first copies land
         flag_rows = m  # one flag per shard
     else:
@@ -249,22 +275,26 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
                          me, W, BLOCK_M=cfg.BLOCK_M, PDL=pdl)
         flag_rows = cfg.BLOCK_M  # one flag per row tile
     if W > first_step:
-        _launch_gemm(g, b, c, ws, epoch, team, cfg, first_step, flag_rows, pdl)
+        own_shard = tma_operand(a_shard)[0] if own == "in_place" else None
+        _launch_gemm(g, own_shard, b, c, ws, epoch, team, cfg, first_step, flag_rows, pdl)
     if side_stream:  # the caller's stream past the push (a_shard is free once it has been copied)
         ws.pushed.record(ws.stream)
         torch.cuda.current_stream(a_shard.device).wait_event(ws.pushed)
         a_shard.record_stream(ws.stream)
 
 
-def _launch_gemm(g, b, c, ws: AgGemmWorkspace, epoch: int, team, cfg, first_step: int, flag_rows: int,
+def _launch_gemm(g, own_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, cfg, first_step: int, flag_rows: int,
                  pdl: bool) -> None:
-    """The persistent GEMM over shards me + first_step, ... from the gather buffer g [W, max_rows, K']."""
+    """The persistent GEMM over shards me + first_step, ... from the gather buffer g [W, max_rows, K'], the own
+    one from own_shard (TMA-aligned) when given."""
     N, W, m, K = b.shape[1], team.size, c.shape[0] // team.size, ws.K
     bt, b_trans = tma_operand(b, allow_trans=True)
-    launch_gemm(_GEMM, (W - first_step) * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, g, bt, c, ws.flags,
-                epoch, m, N, K, team.index, W, first_step, g.stride(1), g.stride(0), cdiv(ws.max_rows, MIN_BLOCK_M),
-                flag_rows, bt.stride(0), c.stride(0), B_TRANS=b_trans, C_TMA=c.stride(0) * c.element_size() % 16 == 0,
-                PRECISION=dot_precision(g.dtype), PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    own = g if own_shard is None else own_shard  # (not read without OWN_IN_PLACE)
+    launch_gemm(_GEMM, (W - first_step) * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, g, own, bt, c, ws.flags,
+                epoch, m, N, K, team.index, W, first_step, g.stride(1), own.stride(0), g.stride(0),
+                cdiv(ws.max_rows, MIN_BLOCK_M), flag_rows, bt.stride(0), c.stride(0), B_TRANS=b_trans,
+                C_TMA=c.stride(0) * c.element_size() % 16 == 0, PRECISION=dot_precision(g.dtype), PDL=pdl,
+                OWN_IN_PLACE=own_shard is not None, **({"launch_pdl": True} if pdl else {}))
 
 
 def ag_gemm_reference(a_shard: torch.Tensor, b: torch.Tensor, group=None) -> torch.Tensor:

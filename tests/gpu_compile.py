@@ -39,7 +39,7 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
-LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ")
+LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ", "OWN_IN_PLACE")
 # gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
@@ -88,10 +88,12 @@ CASES = [
     (og._push_kernel, {"a_ptr": "*bf16", "gather_ptr": "*bf16", "flags_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "m": "i32", "K": "i32", "stride_gm": "i32", "slot_stride": I64,
                        "flag_stride": "i32", "me": "i32", "W": "i32", "BLOCK_M": "constexpr", "PDL": "constexpr"},
      {"BLOCK_M": 128, "PDL": True}),
-    (og._gemm_kernel, {"gather_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "flags_ptr": I64P,
-                       "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32", "first_step": "i32",
-                       "stride_gm": "i32", "slot_stride": I64, "flag_stride": "i32", "flag_rows": "i32",
-                       "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG, "PDL": "constexpr"}, dict(GEMM, PDL=True)),
+    *((og._gemm_kernel, {"gather_ptr": "*bf16", "own_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16",
+                         "flags_ptr": I64P, "epoch": I64, "m": "i32", "N": "i32", "K": "i32", "me": "i32", "W": "i32",
+                         "first_step": "i32", "stride_gm": "i32", "stride_om": "i32", "slot_stride": I64,
+                         "flag_stride": "i32", "flag_rows": "i32", "stride_b": "i32", "stride_cm": "i32", **GEMM_SIG,
+                         "PDL": "constexpr", "OWN_IN_PLACE": "constexpr"}, dict(GEMM, PDL=not own, OWN_IN_PLACE=own))
+      for own in (False, True)),
     *((rs._gemm_rs_kernel, RS_SIG, dict(GEMM, WAIT_LATE=late)) for late in (False, True)),
     (rs._add_slots_kernel, {"recv_ptr": "*bf16", "out_ptr": "*bf16", "flags_ptr": I64P, "epoch": I64, "me": "i32",
                             "W": "i32", "numel": "i32", "slot_stride": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),

@@ -54,6 +54,9 @@
 #   copyprobe  tests/copy_push_probe.py: ag_gemm / gemm_rs with the copy push beside cuBLAS's whole GEMM, its row blocks
 #          alone, tilecomm's matmul of the whole product, the op with its copies skipped, and the host's µs per call
 #          (any GPUs; on one, PROBE_TP=4 for the bar shapes at TP = 4, not run on one GPU yet) -> $OUT/copy_push_probe.log
+#   agncu  ncu of ag_gemm's persistent GEMM (OWN_SHARD "copied" with no copies, then "in_place") beside tilecomm's
+#          matmul of the same product, ag_gemm's small bar shape at TP = PROBE_TP (default 4), one GPU
+#          (tests/copy_push_probe.py, PROBE_ONCE) -> $OUT/ag_*.ncu-rep
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -142,6 +145,18 @@ fi
 if has copyprobe; then
   timeout "${COPY_PROBE_TIMEOUT:-200}" torchrun --standalone --nproc-per-node "$NGPU" tests/copy_push_probe.py 2>&1 \
     | sed -u "s/.*named symbol not found//" | tee "$OUT/copy_push_probe.log" | grep -E "world|Error"
+fi
+
+if has agncu; then  # the kernels' limits side by side: matmul, the "copied" form (no copies), "in_place"
+  for ks in _matmul_kernel:2 _gemm_kernel:2 _gemm_kernel:5; do
+    k=${ks%:*}; skip=${ks#*:}
+    RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531 PROBE_TP=${PROBE_TP:-4} PROBE_ONCE=1 \
+      timeout "${AG_NCU_TIMEOUT:-200}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section LaunchStats --section Occupancy --section SchedulerStats -k "regex:^$k" \
+      --launch-skip "$skip" --launch-count 1 -o "$OUT/ag$k$skip" python3 tests/copy_push_probe.py > "$OUT/ag_ncu$k$skip.log" 2>&1
+    echo "== $k, launch-skip $skip"
+    ncu --import "$OUT/ag$k$skip.ncu-rep" --page details 2>&1 | grep -E "Duration|Throughput|Registers|Occupancy|Issued|Eligible" | head -20
+  done
 fi
 
 if has commprofile && [ "$NGPU" -ge 2 ]; then

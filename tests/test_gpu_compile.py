@@ -65,7 +65,7 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
     assert rows["team._release_kernel"]["release_sys_atomic"]  # to PEs read from the team's table
     assert rows["test_language._wait_cmp_kernel"]["acquire_sys"] and rows["test_language._wait_cmp_kernel"]["globaltimer"]
     assert rows["test_language._symm_store_kernel"]["state_addr_inlined"]
-    for gemm in ("ag_gemm._gemm_kernel", "gemm_rs._gemm_rs_kernel", "gemm_rs._gemm_rs_kernel+WAIT_LATE",
+    for gemm in ("ag_gemm._gemm_kernel", "ag_gemm._gemm_kernel+OWN_IN_PLACE", "gemm_rs._gemm_rs_kernel", "gemm_rs._gemm_rs_kernel+WAIT_LATE",
                  "tiles._matmul_kernel", "grouped._rows_kernel", "grouped._wgrad_kernel"):  # Hopper tensor-core MMA fed by TMA, no local memory (spills)
         assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
         assert rows[gemm]["local_bytes"] in (0, None), rows[gemm]  # ptxas spilled nothing (cuobjdump -res-usage)

@@ -59,14 +59,14 @@ def _workspace(make, push):
     return ws
 
 
-def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False, own_by_cublas=True):
+def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False, own="cublas"):
     rank = tilecomm.rank()
     module = importlib.import_module("tilecomm.overlap.ag_gemm")  # (the package binds a function of that name)
     ws = _workspace(lambda p: AgGemmWorkspace(K, dtype, m + 3, push=p), push)  # owned, made up front, reused
     if ws is None:
         return
     # rank 0 reads late (slow_wait): the others' next call must not overwrite what it reads
-    patches = dict(OWN_SHARD_BY_CUBLAS=own_by_cublas)  # the copy push's two forms of the own shard
+    patches = dict(OWN_SHARD=own)  # the copy push's forms of the own shard
     if slow_wait and rank == 0:
         patches["launch_gemm"] = _late(module.launch_gemm)
     calls_made = []  # every call first, then the checks: no collective between calls holds a rank back
@@ -100,18 +100,33 @@ def test_ag_gemm_push_modes(ranks, world, push):
     ranks(world).run(ag_gemm_body, 70, 16, 24, torch.float32, 4, push)
 
 
-@pytest.mark.parametrize("own_by_cublas", [True, False], ids=["own shard by cuBLAS", "own shard copied"])
-def test_ag_gemm_copy_slow_reader(ranks, own_by_cublas):
+@pytest.mark.parametrize("own", ["cublas", "in_place", "copied"])
+def test_ag_gemm_copy_slow_reader(ranks, own):
     """push="copy" with rank 0 waiting late for every shard: its peers run ahead into their next call, whose
-    copies go to the other half of its gather buffer. Both forms of the own shard."""
-    ranks(3).run(ag_gemm_body, 21, 16, 24, torch.float32, 4, "copy", True, own_by_cublas)
+    copies go to the other half of its gather buffer. Every form of the own shard."""
+    ranks(3).run(ag_gemm_body, 21, 16, 24, torch.float32, 4, "copy", True, own)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_ag_gemm_copy_own_shard_copied(ranks, world):
-    """push="copy" with OWN_SHARD_BY_CUBLAS off: the own shard copied into its gather slot too, every shard
-    through the persistent GEMM; bf16 with K = 23 (padded gather rows: torch's strided copies)."""
-    ranks(world).run(ag_gemm_body, 19, 23, 37, torch.bfloat16, 3, "copy", False, False)
+@pytest.mark.parametrize("world,own", [(1, "copied"), (2, "copied"), (1, "in_place"), (2, "in_place"), (3, "in_place")])
+def test_ag_gemm_copy_own_shard_forms(ranks, world, own):
+    """push="copy" with every shard through the persistent GEMM, the own one copied into its gather slot or read
+    in place (a_shard itself: bf16 with K = 23 has unaligned rows, so the GEMM reads tma_operand's padded copy);
+    padded gather rows: torch's strided copies."""
+    ranks(world).run(ag_gemm_body, 19, 23, 37, torch.bfloat16, 3, "copy", False, own)
+
+
+def test_ag_gemm_own_shard_form_checked(ranks):
+    """A misspelt ag_gemm.OWN_SHARD raises before anything is queued."""
+    ranks(1).run(_bad_own_shard_form)
+
+
+def _bad_own_shard_form():
+    module = importlib.import_module("tilecomm.overlap.ag_gemm")
+    ws = AgGemmWorkspace(16, torch.float32, 8, push="copy")
+    a = _rand((8, 16), 0, torch.float32)
+    with _patched(module, OWN_SHARD="inplace"), pytest.raises(ValueError, match="ag_gemm.OWN_SHARD = 'inplace'"):
+        ag_gemm(a, _rand((16, 8), 1, torch.float32), workspace=ws)
+    ws.free()
 
 
 class _SlowLaunch:
