@@ -19,10 +19,11 @@ Two ways (`AgGemmWorkspace.push`):
   a wait kernel, to 1.23x / 1.13x. This form: 1.07x / 1.05x on 2 H200s, 1.24x / 1.09x on 4 (2026-11-27 from
   21:01 UTC): at W = 4 the small shape's W row-block GEMMs alone cost 1.20x the whole one, and the persistent
   GEMM alone 1.11x cuBLAS.
-  Two other forms of the own shard (`OWN_SHARD`): "in_place", one persistent GEMM over all W shards whose own
-  shard's tiles come first and read a_shard itself (no copy, no wait; the one wave tail of the whole product
-  instead of the cuBLAS GEMM's and the peer shards' two), and "copied" (the copy engine copies the own shard into
-  its gather slot too; for comparison).
+  The other form of the own shard (`OWN_SHARD`, by default chosen per call by `own_shard_form`): "in_place", one
+  persistent GEMM over all W shards whose own shard's tiles come first and read a_shard itself (no copy, no wait;
+  the one wave tail of the whole product instead of the cuBLAS GEMM's and the peer shards' two), taken where
+  it runs fewer waves of tiles. ("copied", for comparison: the copy engine copies the own shard into its gather
+  slot too.)
 * "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
   programs per member, tcl.put row by row and tcl.signal per row tile, puts the shard into every member's gather
   slot, its own included (a put at distance 0: the own shard takes the path a peer's does), and one persistent
@@ -62,17 +63,31 @@ from tilecomm.jit import CachedLaunch, cdiv, pdl_available
 from tilecomm import stream_ops
 
 from .team import OpWorkspace, team_of, workspace_team
-from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul,
+from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, launch_gemm, matmul, num_programs,
                     resolve_config, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK_M = 16  # flags are sized for the smallest row tile any config uses
 _PUSH_PROGRAMS = 8  # push="kernel": programs per peer
 # push="copy", the own shard's rows (module docstring): "cublas" (one cuBLAS GEMM, the persistent GEMM over the
-# peer shards), "in_place" (the persistent GEMM over every shard, the own one read from a_shard with no wait) or
+# peer shards), "in_place" (the persistent GEMM over every shard, the own one read from a_shard with no wait),
 # "copied" (the copy engine also copies the own shard into its gather slot, then the persistent GEMM over every
-# shard: the form of 2026-11-27 before bc42dae, kept for tests/copy_push_probe.py to compare)
-OWN_SHARD = "cublas"
-OWN_SHARD_FORMS = ("cublas", "in_place", "copied")
+# shard: the form of 2026-11-27 before bc42dae, kept for tests/copy_push_probe.py to compare) or "auto"
+# (`own_shard_form`: "in_place" where it runs fewer waves of tiles than "cublas", else "cublas")
+OWN_SHARD = "auto"
+OWN_SHARD_FORMS = ("auto", "cublas", "in_place", "copied")
+
+
+def own_shard_form(m: int, N: int, W: int, cfg, device: torch.device) -> str:
+    """OWN_SHARD="auto"'s choice for shards of m rows and N columns over W members: "in_place" where one persistent
+    GEMM over the W shards runs fewer waves of cfg's tiles (one per program, programs = SMs) than "cublas"'s two
+    GEMMs, the own shard then the W - 1 others, each with a wave tail of its own; else "cublas" (cuBLAS's GEMM of
+    the own shard ran 1-3% faster than our tiles, tests/copy_push_probe.py). On 2 H200s (2026-11-28, µs against
+    cuBLAS's whole GEMM timed in turn), the four shapes agree with it: m = 4096, N = 3584, K = 4096 (448 tiles a
+    shard, 4 + 4 waves against 7): "in_place" 1.102 against "cublas" 1.246; N = 7168 with K = 4096 or 8192 and
+    N = 14336 with K = 8192 (equal waves): "cublas" 1.064 / 1.012 / 1.020 against 1.051 / 1.030 / 1.042."""
+    tiles = cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
+    slots = num_programs(1 << 30, device, cfg.PROGRAMS_PER_SM)  # (the grid of a product of enough tiles)
+    return "in_place" if cdiv(tiles, slots) + cdiv((W - 1) * tiles, slots) > cdiv(W * tiles, slots) else "cublas"
 
 
 class AgGemmWorkspace(OpWorkspace):
@@ -253,6 +268,9 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     (m, K), W, me = a_shard.shape, team.size, team.index
     pdl = ws.push == "kernel" and ws.pdl
     own = OWN_SHARD if ws.push == "copy" else "copied"  # (the push kernel puts the own shard too: distance 0)
+    if own == "auto":
+        own = own_shard_form(m, b.shape[1], W, resolve_config(config, W * m, b.shape[1], a_shard.dtype, a_shard.device,
+                                                              lambda cfg: matmul(a_shard, b, cfg)), a_shard.device)
     first_step = 1 if own == "cublas" else 0
     # the steps the push copies: none of the own shard's unless "copied"
     push_from = 0 if own == "copied" else 1

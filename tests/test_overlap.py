@@ -16,6 +16,7 @@ from tilecomm import _env
 from tilecomm.errors import PeerMismatchError
 from tilecomm.overlap import (AgGemmWorkspace, ColumnParallelLinear, GemmRsWorkspace, RowParallelLinear, ag_gemm,
                               gemm_rs, matmul)
+from tilecomm.overlap.tiles import GemmConfig
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -59,7 +60,7 @@ def _workspace(make, push):
     return ws
 
 
-def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False, own="cublas"):
+def ag_gemm_body(m, K, n, dtype, calls, push="auto", slow_wait=False, own="auto"):
     rank = tilecomm.rank()
     module = importlib.import_module("tilecomm.overlap.ag_gemm")  # (the package binds a function of that name)
     ws = _workspace(lambda p: AgGemmWorkspace(K, dtype, m + 3, push=p), push)  # owned, made up front, reused
@@ -100,7 +101,7 @@ def test_ag_gemm_push_modes(ranks, world, push):
     ranks(world).run(ag_gemm_body, 70, 16, 24, torch.float32, 4, push)
 
 
-@pytest.mark.parametrize("own", ["cublas", "in_place", "copied"])
+@pytest.mark.parametrize("own", ["auto", "cublas", "in_place", "copied"])
 def test_ag_gemm_copy_slow_reader(ranks, own):
     """push="copy" with rank 0 waiting late for every shard: its peers run ahead into their next call, whose
     copies go to the other half of its gather buffer. Every form of the own shard."""
@@ -113,6 +114,22 @@ def test_ag_gemm_copy_own_shard_forms(ranks, world, own):
     in place (a_shard itself: bf16 with K = 23 has unaligned rows, so the GEMM reads tma_operand's padded copy);
     padded gather rows: torch's strided copies."""
     ranks(world).run(ag_gemm_body, 19, 23, 37, torch.bfloat16, 3, "copy", False, own)
+
+
+def test_ag_gemm_own_shard_form_by_waves():
+    """OWN_SHARD="auto": "in_place" only where one GEMM over every shard runs fewer waves of tiles than the own
+    shard's GEMM and the peer shards' (CPU: 4 programs, 16x16 tiles; GPU: one program per SM)."""
+    form = importlib.import_module("tilecomm.overlap.ag_gemm").own_shard_form
+    cfg, cpu = GemmConfig(16, 16, 16, 2, 1, 1, 1, False), torch.device("cpu")
+    assert form(16, 16, 3, cfg, cpu) == "in_place"  # 1 tile a shard: 1 + 1 waves against 1
+    assert form(16, 80, 2, cfg, cpu) == "in_place"  # 5 tiles: 2 + 2 against 3
+    assert form(32, 32, 2, cfg, cpu) == "cublas"  # 4 tiles: 1 + 1 against 2
+    assert form(16, 16, 1, cfg, cpu) == "cublas"  # W = 1: cuBLAS's GEMM of the whole product
+    if torch.cuda.is_available():  # the bar shapes at W = 4 on 132 SMs: 224 tiles a shard (2 + 6 against 7), 448
+        big, sms = GemmConfig(128, 256, 64, 4, 8, 3, 1, False), torch.cuda.get_device_properties(0).multi_processor_count
+        if sms == 132:
+            assert form(2048, 3584, 4, big, torch.device("cuda", 0)) == "in_place"
+            assert form(4096, 7168, 2, big, torch.device("cuda", 0)) == "cublas"  # 896: 7 + 7 against 14
 
 
 def test_ag_gemm_own_shard_form_checked(ranks):
