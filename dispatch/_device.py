@@ -30,8 +30,11 @@ def last_program(counter_ptr):
 
 @triton.jit
 def last_of(counter_ptr, n):
-    tcl.fence()  # this thread's stores are ordered before the count...
-    tl.debug_barrier()  # ...for every thread of the program
+    # Every thread's earlier stores happen-before the count: the barrier orders them before the one thread's
+    # atomic, whose release at system scope is cumulative (the pattern of CUDA's grid sync: bar.sync, then one
+    # thread's fence and atomic). Until 2026-11-28 every thread also fenced at system scope first: in the
+    # low-latency dispatch at world 1 (ncu, one H200) the receivers' fences took more stall samples than their copies.
+    tl.debug_barrier()
     old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
     last = old == n - 1
     if last:
