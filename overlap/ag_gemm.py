@@ -3,9 +3,9 @@
     a_shard [m, K] on every member of the team (member r holds rows r*m ... (r+1)*m - 1 of A),
     b [K, n] -> C [W*m, n]; the team is a torch.distributed group (default: the world) of W ranks
 
-Member me puts its shard into slot me of every other member's symmetric gather buffer (and of its own, where its
-GEMM reads the own shard from there) and SETs that member's flag to the call's epoch, members in the order they
-read it; the GEMM computes the own shard's rows first, then shard me+1, me+2, ..., each once its flag is set.
+Member me puts its shard into slot me of every other member's symmetric gather buffer (and of its own where its
+GEMM reads the own shard from there: push="kernel", OWN_SHARD="copied") and SETs that member's flag to the call's
+epoch, members in the order they read it; the GEMM computes the own shard's rows first, then shard me+1, me+2, ..., each once its flag is set.
 Two ways (`AgGemmWorkspace.push`):
 
 * "copy" (every member directly reachable: NVLink peers, CPU ranks). On the workspace's stream the copy engine
@@ -17,13 +17,14 @@ Two ways (`AgGemmWorkspace.push`):
   Measured on 4 H200s (BENCHMARKS.md, 2026-11-27): feeding the fused GEMM all W shards (own one included) took
   the small shape 8192x4096x3584 to 1.19x cuBLAS, the large one to 1.07x; one cuBLAS GEMM per shard, each behind
   a wait kernel, to 1.23x / 1.13x. This form: 1.07x / 1.05x on 2 H200s, 1.24x / 1.09x on 4 (2026-11-27 from
-  21:01 UTC): at W = 4 the small shape's W row-block GEMMs alone cost 1.20x the whole one, and the persistent
-  GEMM alone 1.11x cuBLAS.
+  21:01 UTC): at W = 4 the small shape's W row-block GEMMs alone cost 1.20x the whole one (the persistent GEMM
+  alone read 1.11x cuBLAS there, an artefact of timing cuBLAS first: 0.97-1.00x timed in turn, 2026-11-28).
   The other form of the own shard (`OWN_SHARD`, by default chosen per call by `own_shard_form`): "in_place", one
   persistent GEMM over all W shards whose own shard's tiles come first and read a_shard itself (no copy, no wait;
   the one wave tail of the whole product instead of the cuBLAS GEMM's and the peer shards' two), taken where
-  it runs fewer waves of tiles. ("copied", for comparison: the copy engine copies the own shard into its gather
-  slot too.)
+  it runs fewer waves of tiles: on 2 H200s at 448 tiles a shard, 1.10x cuBLAS against 1.25x (2026-11-28).
+  ("copied", for comparison: the copy engine copies the own shard into its gather slot too, and the GEMM waits for
+  that copy before its first tile: 1.18x at W = 1.)
 * "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping): a push kernel, a few
   programs per member, tcl.put row by row and tcl.signal per row tile, puts the shard into every member's gather
   slot, its own included (a put at distance 0: the own shard takes the path a peer's does), and one persistent
@@ -37,7 +38,7 @@ Two ways (`AgGemmWorkspace.push`):
   order keeps first.) On CPU ranks the push runs first, then the GEMM.
 
 The persistent GEMM (`_gemm_kernel`, the TMA tile GEMM of tiles.py) reads every shard through one descriptor of
-the gather buffer [W, m, K] made once per program; a flag covers `flag_rows` rows of a member's shard (copy: the
+the gather buffer [W, m, K] made once per program ("in_place": the own shard through one of a_shard); a flag covers `flag_rows` rows of a member's shard (copy: the
 whole shard; kernel: one row tile).
 
 The gather buffer is double-buffered by call parity, so no call waits for the members to have read the last
