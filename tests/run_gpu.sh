@@ -31,7 +31,8 @@
 #          step; SWEEP_CONFIGS), each beside NCCL (every GPU; at world 1 NCCL's call is a device copy; SWEEP_HEAP=1: also on
 #          heap tensors); SWEEP_SNAPSHOT=S: a call still running after S s
 #          prints its state words (a hang's diagnosis) -> $OUT/sweep.log
-#   overlapprofile  tests/overlap_profile.py: GPU timeline of one fused ag_gemm / gemm_rs call (2+ GPUs)
+#   overlapprofile  tests/overlap_profile.py: GPU timeline of one fused ag_gemm / gemm_rs call (2+ GPUs;
+#          OVERLAP_PROFILE_ARGS: its flags, e.g. "--shown 3 --ops gemm_rs" for three calls back to back)
 #          -> $OUT/overlap_profile.log
 #   llncu  ncu of the third low-latency dispatch and combine kernel at world 1 (tests/ll_probe.py --once; one GPU):
 #          duration, occupancy, warp stall reasons; the report and its SASS-level source page -> $OUT/ll_*.ncu-rep, *_sass.csv
@@ -171,7 +172,8 @@ if has sweep; then  # tests/collective_sweep.py: the collectives' knobs beside N
 fi
 
 if has overlapprofile && [ "$NGPU" -ge 2 ]; then
-  timeout "${OVERLAP_PROFILE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/overlap_profile.py 2>&1 \
+  timeout "${OVERLAP_PROFILE_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$NGPU" tests/overlap_profile.py \
+    ${OVERLAP_PROFILE_ARGS:-} 2>&1 \
     | sed -u "s/.*named symbol not found//" > "$OUT/overlap_profile.log"; grep -E "^==|Error" "$OUT/overlap_profile.log"
 fi
 
