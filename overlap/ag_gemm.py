@@ -5,7 +5,8 @@
 
 Member me puts its shard into slot me of every other member's symmetric gather buffer (and of its own where its
 GEMM reads the own shard from there: push="kernel", OWN_SHARD="copied") and SETs that member's flag to the call's
-epoch, members in the order they read it; the GEMM computes the own shard's rows first, then shard me+1, me+2, ..., each once its flag is set.
+epoch, members in the order they read it; the GEMM computes the own shard's rows first, then shard me+1, me+2,
+..., each once its flag is set.
 Two ways (`AgGemmWorkspace.push`):
 
 * "copy" (every member directly reachable: NVLink peers, CPU ranks). On the workspace's stream the copy engine
@@ -38,8 +39,8 @@ Two ways (`AgGemmWorkspace.push`):
   order keeps first.) On CPU ranks the push runs first, then the GEMM.
 
 The persistent GEMM (`_gemm_kernel`, the TMA tile GEMM of tiles.py) reads every shard through one descriptor of
-the gather buffer [W, m, K] made once per program ("in_place": the own shard through one of a_shard); a flag covers `flag_rows` rows of a member's shard (copy: the
-whole shard; kernel: one row tile).
+the gather buffer [W, m, K] made once per program ("in_place": the own shard through one of a_shard); a flag
+covers `flag_rows` rows of a member's shard (copy: the whole shard; kernel: one row tile).
 
 The gather buffer is double-buffered by call parity, so no call waits for the members to have read the last
 one: call e + 1 writes the buffer call e - 1 used, and it starts (the push stream waits for the current one)
@@ -308,9 +309,10 @@ def _launch_gemm(g, own_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, cfg,
     one from own_shard (TMA-aligned) when given."""
     N, W, m, K = b.shape[1], team.size, c.shape[0] // team.size, ws.K
     bt, b_trans = tma_operand(b, allow_trans=True)
-    own = g if own_shard is None else own_shard  # (not read without OWN_IN_PLACE)
+    # (without OWN_IN_PLACE the kernel reads neither own_ptr nor stride_om: g and its row stride stand in)
+    own, stride_om = (g, g.stride(1)) if own_shard is None else (own_shard, own_shard.stride(0))
     launch_gemm(_GEMM, (W - first_step) * cdiv(m, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N), cfg, g, own, bt, c, ws.flags,
-                epoch, m, N, K, team.index, W, first_step, g.stride(1), own.stride(0), g.stride(0),
+                epoch, m, N, K, team.index, W, first_step, g.stride(1), stride_om, g.stride(0),
                 cdiv(ws.max_rows, MIN_BLOCK_M), flag_rows, bt.stride(0), c.stride(0), B_TRANS=b_trans,
                 C_TMA=c.stride(0) * c.element_size() % 16 == 0, PRECISION=dot_precision(g.dtype), PDL=pdl,
                 OWN_IN_PLACE=own_shard is not None, **({"launch_pdl": True} if pdl else {}))

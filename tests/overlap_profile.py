@@ -3,9 +3,9 @@
     torchrun --nproc-per-node 4 tests/overlap_profile.py [--out DIR] [--shown N] [--ops gemm_rs] [--tp 4]
 
 For each op and bar shape (tilecomm.bench.overlap's, at TP = --tp), rank 0 prints every kernel and copy of the last
---shown fused calls (of --shown + 2 back to back, after warm-up), as start and end µs from the call's first GPU event, its
-stream and its name, then the same call's tilecomm GEMM alone (`matmul`) for comparison. With --out, each rank's
-Chrome trace is saved there. Not a test (no assertions: the bench checks the results).
+--shown fused calls (of --shown + 2 back to back, after warm-up), as start and end µs from the first one's first GPU
+event, its stream and its name, then the same for tilecomm's GEMM alone (`matmul`) for comparison. With --out, each
+rank's Chrome trace is saved there. Not a test (no assertions: the bench checks the results).
 """
 import argparse
 import json

@@ -126,8 +126,8 @@ def test_ag_gemm_own_shard_form_by_waves():
     assert form(32, 32, 2, cfg, cpu) == "cublas"  # 4 tiles: 1 + 1 against 2
     assert form(16, 16, 1, cfg, cpu) == "cublas"  # W = 1: cuBLAS's GEMM of the whole product
     if torch.cuda.is_available():  # the bar shapes at W = 4 on 132 SMs: 224 tiles a shard (2 + 6 against 7), 448
-        big, sms = GemmConfig(128, 256, 64, 4, 8, 3, 1, False), torch.cuda.get_device_properties(0).multi_processor_count
-        if sms == 132:
+        big = GemmConfig(128, 256, 64, 4, 8, 3, 1, False)
+        if torch.cuda.get_device_properties(0).multi_processor_count == 132:
             assert form(2048, 3584, 4, big, torch.device("cuda", 0)) == "in_place"
             assert form(4096, 7168, 2, big, torch.device("cuda", 0)) == "cublas"  # 896: 7 + 7 against 14
 
