@@ -270,10 +270,16 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
     (m, K), W, me = a_shard.shape, team.size, team.index
     pdl = ws.push == "kernel" and ws.pdl
     own = OWN_SHARD if ws.push == "copy" else "copied"  # (the push kernel puts the own shard too: distance 0)
+
+    def tiles_for(rows: int):  # the persistent GEMM's config for `rows` rows of C
+        return resolve_config(config, rows, b.shape[1], a_shard.dtype, a_shard.device,
+                              lambda cfg: matmul(a_shard, b, cfg))
+    cfg = tiles_for(W * m)  # every shard's rows (all but the "cublas" form)
     if own == "auto":
-        own = own_shard_form(m, b.shape[1], W, resolve_config(config, W * m, b.shape[1], a_shard.dtype, a_shard.device,
-                                                              lambda cfg: matmul(a_shard, b, cfg)), a_shard.device)
+        own = own_shard_form(m, b.shape[1], W, cfg, a_shard.device)
     first_step = 1 if own == "cublas" else 0
+    if first_step:
+        cfg = tiles_for(max(W - 1, 1) * m)
     # the steps the push copies: none of the own shard's unless "copied"
     push_from = 0 if own == "copied" else 1
     side_stream = ws.stream is not None and not pdl and (W > 1 if ws.push == "kernel" else W > push_from)
@@ -281,8 +287,6 @@ def _launch(a_shard, b, c, ws: AgGemmWorkspace, epoch: int, team, config) -> Non
         ws.queued.record(torch.cuda.current_stream(a_shard.device))  # the push after what the caller queued
         ws.stream.wait_event(ws.queued)
     g = ws.gather[epoch % 2]
-    cfg = resolve_config(config, max(W - first_step, 1) * m, b.shape[1], a_shard.dtype, a_shard.device,
-                         lambda cfg: matmul(a_shard, b, cfg))
     if ws.push == "copy":
         _push_by_copy(a_shard, ws, epoch, team, push_from)
         if own == "cublas":
