@@ -255,7 +255,8 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
         _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
         if HAS_X2:
             _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
-        tcl.fence()  # this thread's stores (rows and meta, to every rank) before the block's signal
+        # the block's signal: tcl.signal meets the program's threads at a barrier, then signals with release at
+        # system scope (cumulative: every thread's rows and meta land first; under NVSHMEM it fences each thread)
         signal_all(blocks_ptr + me.to(tl.int64) * M + b, seq, W)
 
 

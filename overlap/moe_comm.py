@@ -80,8 +80,9 @@ def _send_kernel(x_ptr, topk_ptr, w_ptr, counts_ptr, slots_ptr, stage_ptr, pair_
     if WITH_META:
         w = tl.load(w_ptr + flat, mask=valid, other=0.0)
         tl.store(pair_w_ptr + peer_offset(pair_w_ptr, owner, 1) + at, w, mask=valid)
-    tcl.fence()  # this thread's row and weight stores are ordered before the words...
-    tl.debug_barrier()  # ...for every thread of the program
+    # every thread's row and weight stores before the words: the barrier, then release at system scope
+    # (cumulative, as in dispatch._device.last_of; no per-thread fence)
+    tl.debug_barrier()
     word = (tl.full((), seq, tl.int64) << 32) | flat
     tl.atomic_xchg(words_ptr + peer_offset(words_ptr, owner, 1) + at, word, mask=valid, sem="release", scope="sys")
 

@@ -257,7 +257,8 @@ def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr,
         if last_of(done_ptr + row_tile, col_items):  # (fences: this item's stores are ordered before its count)
             if HAS_VALS:
                 tl.store(back_w_ptr + peer_offset(back_w_ptr, src, 1) + pair, tl.load(vals_ptr + r, mask=ok), mask=ok)
-            tcl.fence()  # this thread's stores (and, by the count's acquire, every item's) before the flags...
-            tl.debug_barrier()  # ...for every thread of the program
+            # every thread's stores (and, by the count's acquire, every item's) before the flags: the barrier, then
+            # release at system scope (cumulative, as in last_of; no per-thread fence)
+            tl.debug_barrier()
             tl.atomic_xchg(flags_ptr + peer_offset(flags_ptr, src, 1) + pair, tl.full((BLOCK_M,), seq, tl.int64),
                            mask=ok, sem="release", scope="sys")
