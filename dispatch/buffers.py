@@ -53,15 +53,14 @@ def normal_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> 
 
 def low_latency_specs(W: int, E: int, M: int, K: int, H: int, dtype: torch.dtype) -> Dict[str, Spec]:
     """Low-latency mode. recv: [W, M, ROW bytes] (source s's token t at [s, t], once per destination
-    rank); recv_w: [E_l, W, M] weights of s's pairs for local expert e at [e, s, slot]; words: [E_l, W, M]
-    int64 (epoch << 32 | t * K + k of each, SET once its row has landed); back: [M, W, ROW bytes] on the
-    source (rank r's partial row of token t at [t, r]); count: [E_l, W] int64 (epoch * (M + 1) + pairs s
-    sends e); sig: [3, W] int64 (recv consumed, back ready, back consumed); epoch: [4] int64 (dispatch and
-    combine counters, the dispatch's senders done, its pair_row cleared: low_latency.py)."""
+    rank); recv_w: [E_l, W, M] weights of s's pairs for local expert e at [e, s, slot]; recv_src:
+    [E_l, W, M] int32 t * K + k of each; back: [M, W, ROW bytes] on the source (rank r's partial row of
+    token t at [t, r]); count: [E_l, W] int64 (epoch * (M + 1) + pairs staged by s for e); sig: [3, W]
+    int64 (recv consumed, back ready, back consumed); epoch: [2] int64 (dispatch, combine counters)."""
     rb, e_local = row_bytes(H, dtype), E // W
     return {"recv": ((W, M, rb), torch.uint8), "recv_w": ((e_local, W, M), torch.float32),
-            "words": ((e_local, W, M), torch.int64), "back": ((M, W, rb), torch.uint8),
-            "count": ((e_local, W), torch.int64), "sig": ((3, W), torch.int64), "epoch": ((4,), torch.int64)}
+            "recv_src": ((e_local, W, M), torch.int32), "back": ((M, W, rb), torch.uint8),
+            "count": ((e_local, W), torch.int64), "sig": ((3, W), torch.int64), "epoch": ((2,), torch.int64)}
 
 
 def symmetric_bytes(specs: Dict[str, Spec]) -> int:

@@ -6,25 +6,20 @@ crosses to each destination rank once, however many of that rank's experts it pi
 expands it to its experts' rows, and in combine reduces them to one partial row per (token, rank),
 which is what crosses back. Dispatch and combine are one launch each (two with `recv_hook`).
 
-dispatch (one kernel, three roles; programs take their role from a ticket, see below):
-- count (one program, first ticket): once every rank has consumed the previous call (consumed[r]),
-  counts this rank's pairs per expert (a histogram of topk_idx) and SETs count[e_l, me] =
-  epoch * (M + 1) + min(pairs, M) on each owner r (release), before any row has landed: receivers
-  know how many rows to expect, and where each source's rows start, at the start of the call. More
-  than M pairs for one expert is recorded as an error (raised at the next call).
+dispatch (one kernel, two roles; programs take their role from a ticket, see below):
 - send (token x column chunk): the slot of pair (t, k) = its index among this rank's pairs for that
-  expert (token order, then k); a slot >= M is never used. Once each owner r of its pairs has consumed
-  the previous call (r's consumed[me] word), the row goes once to each such r, to r's recv[me, t], and
-  the pair's weight to r's recv_w[e_l, me, slot]. The last of the token's column programs then SETs
-  r's word[e_l, me, slot] = epoch << 32 | t * K + k for each pair (release: the row and the weight
-  land first), so a receiver copies a row as soon as it has landed, not after the slowest sender.
-- receive (local expert x source x column chunk): reads the counts of its expert from the sources up
-  to its own (the rows of lower sources come first in the expert's block), then for each slot waits
-  for its word and copies row recv[source, t] to out[e_l, (rows of lower sources) + slot]:
-  expert-major, then source rank, then token, then k; records the row in pair_row[source, t, k].
-  The last receive program waits until this rank's senders are done (epoch[2], set by the last of
-  them: they read the epoch word at their start), then SETs consumed[me] on every source (a sender
-  waits for it before it overwrites a peer's staging rows and words) and advances the epoch word.
+  expert (token order, then k). Once each owner r of its pairs has consumed the previous call (r's
+  consumed[me] word), the row goes once to each such r, to r's recv[me, t]; the
+  pair's weight and t * K + k go to r's recv_w / recv_src[e_l, me, slot]. A slot >= M is never used:
+  the error is recorded (raised at the next call). Pairs per expert are counted with integer atomics;
+  the last send program waits until every rank has consumed the previous call, then SETs count[e_l, me] =
+  epoch * (M + 1) + count on every r (release).
+- receive (local expert x source x column chunk): waits for the counts of its expert from the sources up
+  to its own (the rows of lower sources come first), copies each (expert, source) pair's row from
+  recv[source, t] to out[e_l, (rows of lower sources) + slot]: expert-major, then source rank, then token,
+  then k; records the row in pair_row[source, t, k].
+  The last receive program SETs consumed[me] on every source (a sender waits for it before it overwrites
+  a peer's staging rows) and advances the epoch word.
 
 combine (one kernel, two roles):
 - reduce on the expert side (source x token x column chunk, sources from me + 1 on, so that every rank
@@ -41,8 +36,7 @@ started after every program it waits for on its own rank: no deadlock however th
 the grid, and none in the interpreter, which runs programs one after another. With `recv_hook` the
 receive role is launched later as its own grid.
 
-Epochs live in device words (dispatch: epoch[0], combine: epoch[1]; epoch[2]: the dispatch senders' last
-finished call) and are advanced by the kernels,
+Epochs live in device words (dispatch: epoch[0], combine: epoch[1]) and are advanced by the kernels,
 so nothing reads a device value on the host and the calls can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -94,78 +88,44 @@ class LowLatencyConfig:
 
 
 @tilecomm.jit(do_not_specialize=["T", "N_SEND", "N_RECV"])
-def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, words_ptr, count_ptr, consumed_ptr, epoch_ptr,
-                     err_ptr, pairs_ptr, counter_ptr, token_done_ptr, out_ptr, out_w_ptr, maps_ptr, per_expert_ptr,
-                     N_SEND, N_RECV, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr,
+def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr,
+                     err_ptr, pairs_ptr, counter_ptr, out_ptr, out_w_ptr, maps_ptr, per_expert_ptr, N_SEND, N_RECV,
+                     CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
-    """Programs: the counter and N_SEND senders (token x column chunk) when N_SEND > 0, then N_RECV receivers
-    (expert x source x chunk). maps: pair_row [W, M, K] then token_ranks [M, W] (LowLatencyHandle)."""
-    n_first = tl.where(N_SEND > 0, N_SEND + 1, 0)  # the counter and the senders
-    ticket = take_ticket(counter_ptr, n_first + N_RECV)
+    """Programs: N_SEND senders (token x column chunk), then N_RECV receivers (expert x source x chunk).
+    maps: pair_row [W, M, K] then token_ranks [M, W] (LowLatencyHandle)."""
+    ticket = take_ticket(counter_ptr, N_SEND + N_RECV)
     pair_row_ptr = maps_ptr
     token_ranks_ptr = maps_ptr + W * M * K
     epoch = tl.load(epoch_ptr) + 1
-    if ticket < n_first:
-        if ticket == 0:
-            _count(topk_ptr, pairs_ptr, count_ptr, consumed_ptr, epoch_ptr, err_ptr, pair_row_ptr, tcl.rank(), epoch, T,
-                   E, E_L, W, M, K, BLOCK_C, BLOCK_E, BLOCK_EL)
-        else:
-            p = ticket - 1
-            _send(p // CP, p % CP, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, words_ptr, consumed_ptr, err_ptr,
-                  token_done_ptr, token_ranks_ptr, epoch, CP, T, E, E_L, W, M, H, ROW, K, BLOCK_K, BLOCK_C, BLOCK_W,
-                  BLOCK_H, ALIGN)
-        if last_of(counter_ptr + 1, n_first):  # every program of this rank has read the epoch word
-            tl.atomic_xchg(epoch_ptr + 2, epoch, sem="release", scope="gpu")
+    if ticket < N_SEND:
+        _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
+              consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M,
+              H, ROW, K, BLOCK_K, BLOCK_C, BLOCK_W, BLOCK_H, ALIGN)
+        if last_of(counter_ptr + 1, N_SEND):
+            _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, tcl.rank(), epoch, E_L, W, M, BLOCK_EL)
     else:
-        r = ticket - n_first
-        _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, words_ptr, count_ptr, epoch_ptr, out_ptr,
+        r = ticket - N_SEND
+        _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
                  out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, K, BLOCK_W, BLOCK_R, BLOCK_H)
         if last_of(counter_ptr + 2, N_RECV):
-            tcl.wait(epoch_ptr + 2, epoch, tcl.CMP_GE)  # this rank's senders and counter are done (they read epoch)
             signal_all(consumed_ptr + tcl.rank(), epoch, W)
             tl.store(epoch_ptr, epoch)
 
 
 @triton.jit
-def _count(topk_ptr, pairs_ptr, count_ptr, consumed_ptr, epoch_ptr, err_ptr, pair_row_ptr, me, epoch, T, E, E_L, W, M,
-           K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EL: tl.constexpr):
-    """This launch's pair_row (local) starts at -1 (epoch[3] = epoch once it does: the receivers write it). Then
-    SET count[e_l, me] = epoch * (M + 1) + min(pairs, M) on every rank r, for r's experts (pairs: a histogram of
-    this rank's expert ids, bin E for -1 and ids out of range), once every rank has read my previous counts (its
-    receive of the last call is done: consumed)."""
-    for c0 in range(0, W * M * K, BLOCK_C):
-        fc = c0 + tl.arange(0, BLOCK_C)
-        tl.store(pair_row_ptr + fc, tl.full((BLOCK_C,), -1, tl.int32), mask=fc < W * M * K)
-    tl.debug_barrier()
-    tl.atomic_xchg(epoch_ptr + 3, epoch, sem="release", scope="gpu")
-    hist = tl.zeros((BLOCK_E,), tl.int32)
-    for c0 in range(0, T * K, BLOCK_C):
-        fc = c0 + tl.arange(0, BLOCK_C)
-        ids = tl.load(topk_ptr + fc, mask=fc < T * K, other=-1)
-        hist += tl.histogram(tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32), BLOCK_E)
-    bins = tl.arange(0, BLOCK_E)
-    tl.store(pairs_ptr + bins, hist, mask=bins < E)
-    if tl.max(tl.where(bins < E, hist, 0), axis=0) > M:
-        worst = tl.argmax(tl.where(bins < E, hist, 0), axis=0)
-        record_error(err_ptr, ERR_CAPACITY, me, worst, tl.max(tl.where(bins < E, hist, 0), axis=0), M, 0)
-    tl.debug_barrier()  # the histogram's stores before its per-owner loads below (other threads)
-    wait_all(consumed_ptr, epoch - 1, W)
-    el = tl.arange(0, BLOCK_EL)
-    for r in range(0, W):
-        n = tl.load(pairs_ptr + r * E_L + el, mask=el < E_L, other=0)
-        tagged = epoch * (M + 1) + tl.minimum(n, M).to(tl.int64)
-        last = tl.sum(tl.where(el == E_L - 1, tagged, 0), axis=0)  # padding lanes repeat the last word
-        tcl.signal(count_ptr + tl.minimum(el, E_L - 1) * W + me, tl.where(el < E_L, tagged, last), r,
-                   tcl.SIGNAL_SET)
-
-
-@triton.jit
-def _send(t, j, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, words_ptr, consumed_ptr, err_ptr, token_done_ptr,
-          token_ranks_ptr, epoch, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, consumed_ptr, err_ptr, pairs_ptr,
+          pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
           ALIGN: tl.constexpr):
     me = tcl.rank()
+    # this launch's pair_row (local, read by the receivers after the counts) starts at -1: a stripe each
+    n_map = W * M * K
+    stripe = tl.cdiv(n_map, N_SEND)
+    for c0 in range(p * stripe, tl.minimum(n_map, p * stripe + stripe), BLOCK_C):
+        fc = c0 + tl.arange(0, BLOCK_C)
+        tl.store(pair_row_ptr + fc, tl.full((BLOCK_C,), -1, tl.int32), mask=fc < tl.minimum(n_map, p * stripe + stripe))
     kk = tl.arange(0, BLOCK_K)
     km = tl.where(t < T, kk < K, False)  # (scalar & vector masks break the interpreter)
     f = t.to(tl.int64) * K + kk
@@ -181,8 +141,6 @@ def _send(t, j, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, words_ptr, consume
         record_error(err_ptr, ERR_BAD_EXPERT, me, t, tl.max(tl.where(bad, ids, -2 ** 62), axis=0), E, 0)
     ok = valid & (slot < M)
     owner = tl.where(ok, ids // E_L, -1)
-    to = tl.where(ok, owner, 0)
-    dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
     # the row goes to each owner once: at the first of that owner's pairs, in k order
     earlier = (kk[None, :] < kk[:, None]) & (owner[None, :] == owner[:, None])  # [k, k'] with k' < k
     first = ok & (tl.max(earlier.to(tl.int32), axis=1) == 0)
@@ -191,7 +149,12 @@ def _send(t, j, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, words_ptr, consume
     if any_owner >= 0:
         tcl.wait(consumed_ptr + tl.where(first, owner, any_owner), epoch - 1, tcl.CMP_GE)
     if j == 0:
+        dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
+        to = tl.where(ok, owner, 0)
+        # pairs per expert (integer: exact); relaxed: the publisher reads them after last_of's release / acquire
+        tl.atomic_add(pairs_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed", scope="gpu")
         tl.store(recv_w_ptr + peer_offset(recv_w_ptr, to, 1) + dst, tl.load(w_ptr + f, mask=ok), mask=ok)
+        tl.store(recv_src_ptr + peer_offset(recv_src_ptr, to, 1) + dst, f.to(tl.int32), mask=ok)
         ww = tl.arange(0, BLOCK_W)
         sent = tl.sum(((owner[:, None] == ww[None, :]) & first[:, None]).to(tl.int32), axis=0)
         tl.store(token_ranks_ptr + t.to(tl.int64) * W + ww, sent, mask=tl.where(t < T, ww < W, False))
@@ -205,20 +168,34 @@ def _send(t, j, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, words_ptr, consume
             first_k = tl.max((sel & first).to(tl.int32), axis=0) > 0
             at_k = tl.multiple_of(tl.sum(tl.where(sel, at, 0), axis=0), ALIGN)
             tl.store(recv_ptr + at_k + cols, v, mask=tl.where(first_k, cm, False))
-    # the token's last column program: every column program's row stores (and the weights) happen-before its
-    # words (last_of's barrier and acq_rel count, then a release per word at system scope)
-    if last_of(token_done_ptr + t, CP):
-        word = (epoch << 32) | f
-        tl.atomic_xchg(words_ptr + peer_offset(words_ptr, to, 1) + dst, word, mask=ok, sem="release", scope="sys")
 
 
 @triton.jit
-def _receive(el, src, j, recv_ptr, recv_w_ptr, words_ptr, count_ptr, epoch_ptr, out_ptr, out_w_ptr, pair_row_ptr,
+def _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, me, epoch, E_L, W, M, BLOCK_EL: tl.constexpr):
+    """SET count[e_l, me] = epoch * (M + 1) + min(rows, M) on every rank r, for r's experts; clear pairs.
+    First every rank has read my previous counts (its receive of the last call is done: consumed)."""
+    wait_all(consumed_ptr, epoch - 1, W)
+    el = tl.arange(0, BLOCK_EL)
+    for r in range(0, W):
+        n = tl.load(pairs_ptr + r * E_L + el, mask=el < E_L, other=0)
+        tl.store(pairs_ptr + r * E_L + el, tl.zeros((BLOCK_EL,), tl.int32), mask=el < E_L)
+        if tl.max(n, axis=0) > M:
+            worst = tl.argmax(n, axis=0)
+            record_error(err_ptr, ERR_CAPACITY, me, r * E_L + worst, tl.max(n, axis=0), M, 0)
+        tagged = epoch * (M + 1) + tl.minimum(n, M).to(tl.int64)
+        last = tl.sum(tl.where(el == E_L - 1, tagged, 0), axis=0)  # padding lanes repeat the last word
+        tcl.signal(count_ptr + tl.minimum(el, E_L - 1) * W + me, tl.where(el < E_L, tagged, last), r,
+                   tcl.SIGNAL_SET)
+
+
+@triton.jit
+def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr, out_w_ptr, pair_row_ptr,
              per_expert_ptr, epoch, CP, W, M, H, ROW, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
              BLOCK_H: tl.constexpr):
     base = epoch * (M + 1)
     # the counts of sources up to src only (the rows of lower sources come first in the expert's block), in
-    # one wait (lanes past src repeat src's word): published at the start of each source's call
+    # one wait (lanes past src repeat src's word): a program starts copying once they have published, not the
+    # slowest rank; the last source's programs wait for every count and write the expert's total
     rr = tl.arange(0, BLOCK_W)
     n = tcl.wait(count_ptr + el * W + tl.minimum(rr, src), base, tcl.CMP_GE) - base
     offset = tl.sum(tl.where(rr < src, n, 0), axis=0)
@@ -226,15 +203,11 @@ def _receive(el, src, j, recv_ptr, recv_w_ptr, words_ptr, count_ptr, epoch_ptr, 
     if (src == W - 1) & (j == 0):
         tl.store(per_expert_ptr + el, offset + count)
     first = el.to(tl.int64) * W * M + offset  # output row of slot 0
-    tag = epoch << 32
-    if (j == 0) & (count > 0):
-        tcl.wait(epoch_ptr + 3, epoch, tcl.CMP_GE)  # this launch's pair_row holds -1 (the count program's first step)
     for i0 in range(0, count, BLOCK_R):
         ii = i0 + tl.arange(0, BLOCK_R)
         im = ii < count
         staged = (el.to(tl.int64) * W + src) * M + ii
-        # the slots' words (lanes past count repeat the last slot's): their rows have landed; the words hold t * K + k
-        pair = tcl.wait(words_ptr + (el.to(tl.int64) * W + src) * M + tl.minimum(ii, count - 1), tag, tcl.CMP_GE) - tag
+        pair = tl.load(recv_src_ptr + staged, mask=im, other=0)  # t * K + k
         if j == 0:
             tl.store(out_w_ptr + first + ii, tl.load(recv_w_ptr + staged, mask=im), mask=im)
             tl.store(pair_row_ptr + src.to(tl.int64) * M * K + pair, (first + ii).to(tl.int32), mask=im)
@@ -355,14 +328,13 @@ class LowLatencyEngine:
         self.cfg = LowLatencyConfig.for_device(ctx.device, hidden)
         self.state = SymmetricState("Dispatcher(mode='low_latency')",
                                     low_latency_specs(W, num_experts, max_tokens, topk, hidden, dtype),
-                                    zeroed=("words", "count", "sig", "epoch"))
+                                    zeroed=("count", "sig", "epoch"))
         self.row_bytes = row_bytes(hidden, dtype)
         counters = torch.zeros(6, dtype=torch.int32, device=ctx.device)  # reset by the kernels after each launch
         self._dispatch_ctr, self._combine_ctr = counters[_DISPATCH_COUNTERS:], counters[_COMBINE_COUNTERS:]
         self._sig = [self.state.sig[i] for i in range(3)]
         self._err = torch.zeros(ERROR_WORDS, dtype=torch.int64, pin_memory=self.cuda)  # written by the kernels
-        self._pairs = torch.empty(num_experts, dtype=torch.int32, device=ctx.device)  # the count program's histogram
-        self._token_done = torch.zeros(max_tokens, dtype=torch.int32, device=ctx.device)  # reset by the kernels
+        self._pairs = torch.zeros(num_experts, dtype=torch.int32, device=ctx.device)  # per expert, cleared after use
         self._err_words = self._err.numpy()
         self._dummies, self._typed_views = {}, {}
         # hot path: launch through the compiled kernels (no per-call Triton binding), each call site bound to
@@ -372,13 +344,12 @@ class LowLatencyEngine:
         # read on every call: the state's views (attribute lookups through NamedViews cost µs) and each
         # kernel's constexprs, made once per Dispatcher (ALIGN / ACC depend on the dtype)
         st, cfg, K, cp = self.state, self.cfg, topk, self.cfg.col_programs
-        self._bufs = (st.recv_w, st.words, st.count, st.epoch)
+        self._bufs = (st.recv_w, st.recv_src, st.count, st.epoch)
         self._n_recv = self.E_L * W * cp
         self._n_back = W * max_tokens * cp
         self._map_words = W * max_tokens * topk + max_tokens * W  # LowLatencyHandle.maps: pair_row, token_ranks
         common = dict(K=K, BLOCK_K=_P2(K), BLOCK_W=_P2(W), BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
-        self._dispatch_consts = dict(common, BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_E=_P2(num_experts + 1),
-                                     BLOCK_EL=_P2(self.E_L),
+        self._dispatch_consts = dict(common, BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_EL=_P2(self.E_L),
                                      BLOCK_R=cfg.block_rows)
         self._combine_consts = dict(common, enable_fp_fusion=False)
 
@@ -429,20 +400,20 @@ class LowLatencyEngine:
             W, M = self.W, self.M
             cp = self.cfg.col_programs
             recv, row = self._staging("recv", x.dtype)
-            recv_w, words, count, epoch = self._bufs
+            recv_w, recv_src, count, epoch = self._bufs
             # varying: x, topk, weights, the four outputs, N_SEND, N_RECV, T (positions below)
             bound = self._bound[("dispatch", x.dtype, topk.dtype)] = self._dispatch.bind(
-                (x.dtype, topk.dtype), [x_arg, topk, weights, recv, recv_w, words, count, self._sig[_SIG_CONSUMED],
-                                        epoch, self._err, self._pairs, self._dispatch_ctr, self._token_done, out_x,
-                                        out_w, maps, per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row],
-                (0, 1, 2, 13, 14, 15, 16, 17, 18, 20), ALIGN=16 // x.element_size(), **self._dispatch_consts)
+                (x.dtype, topk.dtype), [x_arg, topk, weights, recv, recv_w, recv_src, count, self._sig[_SIG_CONSUMED],
+                                        epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, maps,
+                                        per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row],
+                (0, 1, 2, 12, 13, 14, 15, 16, 17, 19), ALIGN=16 // x.element_size(), **self._dispatch_consts)
 
         n_send = max(T, 1) * self.cfg.col_programs
-        if not defer_recv:  # the decode hot path: every role in one launch (the count program, senders, receivers)
+        if not defer_recv:  # the decode hot path: both roles in one launch
             n_recv = self._n_recv
-            bound.launch((1 + n_send + n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, n_recv, T)
+            bound.launch((n_send + n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, n_recv, T)
             return out_x, out_w, per_expert, handle, None
-        bound.launch((1 + n_send,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, 0, T)
+        bound.launch((n_send,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, 0, T)
 
         def recv_hook() -> None:
             if handle.received:
