@@ -254,7 +254,7 @@ def _scatter_kernel(a_ptr, w_ptr, offs_ptr, row_pair_ptr, row_src_ptr, vals_ptr,
             y = acc.to(dtype)  # rounded as the unfused grouped GEMM's output
             cols = n + tl.arange(0, BLOCK_N)
             tl.store(back_ptr + dst[:, None] + cols[None, :], y, mask=ok[:, None] & (cols < N)[None, :])
-        if last_of(done_ptr + row_tile, col_items):  # (fences: this item's stores are ordered before its count)
+        if last_of(done_ptr + row_tile, col_items):  # (its barrier and acq_rel count order this item's stores first)
             if HAS_VALS:
                 tl.store(back_w_ptr + peer_offset(back_w_ptr, src, 1) + pair, tl.load(vals_ptr + r, mask=ok), mask=ok)
             # every thread's stores (and, by the count's acquire, every item's) before the flags: the barrier, then
