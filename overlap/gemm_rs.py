@@ -13,11 +13,14 @@ next blocks' GEMMs and take no SM. Then the own block's GEMM (cuBLAS) goes strai
 (`_add_slots_kernel`) adds the other members' slots (fp32) once their flags hold the call's epoch: on 4 H200s
 1.14x / 1.07x the GEMM alone for 8192x3584x4096 / 8192x7168x8192, the add pass ~22 µs of the small shape's ~50
 over the GEMM (BENCHMARKS.md, 2026-11-27 from 17:52 UTC). With FUSED_OWN_BLOCK the own block is instead the fused
-kernel below run over the own tiles only: each tile's main loop, then a wait for every member's flag (WAIT_LATE:
-the block the last member computed for this rank is still on its way while the own block is computed), then
-the slots added in the epilogue and the sum stored into `out`. On 2 H200s that was slower (402.2 µs against
-372.9 for 8192x3584x4096: the peer's 33.5 MB block lands ~90 µs into the own block, so the first tiles wait;
-2026-11-27 from 19:26 UTC), and on 4 H200s too (405.7 µs against 390.2, 2026-11-27 from 21:01 UTC). At
+kernel below run over the own tiles only: each tile's main loop, then a wait for every member's flag of its rows
+(WAIT_LATE: the block the last member computed for this rank is still on its way while the own block is
+computed), then the slots added in the epilogue and the sum stored into `out`. With one flag per block that was
+slower (on 2 H200s 402.2 µs against 372.9 for 8192x3584x4096: the peer's 33.5 MB block lands ~90 µs into the own
+block, so the first tiles waited for all of it; 2026-11-27 from 19:26 UTC; on 4 H200s 405.7 against 390.2), so a
+block now goes in COPY_CHUNKS row chunks, a flag behind each, and a tile waits for its rows' chunk only (the
+first chunks land before the first wave of tiles ends; not measured on GPUs yet: tests/copy_push_probe.py times
+both forms). At
 W = 1 there is nothing to add: the op is cuBLAS's GEMM. The recv buffer is double-buffered by call parity, so
 no copy waits for its reader (call e + 1 writes the half call e - 1 used: ag_gemm's argument, module docstring
 there). The fused kernel as the whole op (below) took 1.37x / 1.15x, its
@@ -64,6 +67,9 @@ from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, laun
                     resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
+# push="copy" with FUSED_OWN_BLOCK: a block goes to its owner in up to this many row chunks (whole row tiles of the
+# own block's GEMM), each with its flag, so an own tile waits only for the rows it adds (flags [W, COPY_CHUNKS])
+COPY_CHUNKS = 8
 
 
 class GemmRsWorkspace(OpWorkspace):
@@ -71,7 +77,8 @@ class GemmRsWorkspace(OpWorkspace):
     (collective over the world). push (module docstring): "copy", "kernel" or "auto" ("copy" where every member
     is directly reachable and stream writes work, else "kernel"; the choice is in `self.push`).
     "kernel": symmetric recv [W, max_rows, N], flags [W * tiles], consumed [W].
-    "copy": symmetric recv [2, W, max_rows, N] (by call parity) and flags [W]; a local stage [W - 1, max_rows, N]
+    "copy": symmetric recv [2, W, max_rows, N] (by call parity) and flags [W, COPY_CHUNKS] (a block's row chunks); a
+    local stage [W - 1, max_rows, N]
     for the partial blocks on their way out, a stream for the copies and the events that order the two."""
 
     def __init__(self, N: int, dtype: torch.dtype, max_rows: int, group=None, push: str = "auto"):
@@ -94,7 +101,7 @@ class GemmRsWorkspace(OpWorkspace):
     @staticmethod
     def specs(N: int, dtype: torch.dtype, max_rows: int, W: int, push: str) -> dict:
         if push == "copy":
-            return {"recv": ((2, W, max_rows, N), dtype, False), "flags": ((W,), torch.int64, True)}
+            return {"recv": ((2, W, max_rows, N), dtype, False), "flags": ((W * COPY_CHUNKS,), torch.int64, True)}
         return {"recv": ((W, max_rows, N), dtype, False),
                 "flags": ((W * cdiv(max_rows, MIN_BLOCK) * cdiv(N, MIN_BLOCK),), torch.int64, True),
                 "consumed": ((W,), torch.int64, True)}
@@ -160,9 +167,10 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
                     EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
                     C_TMA: tl.constexpr, PRECISION: tl.constexpr, WAIT_LATE: tl.constexpr):
     """Tiles tile_begin .. tile_end - 1 of the walk over owners me+1, me+2, ..., me (module docstring). A flag
-    covers flag_tiles tiles of one member's partial block (push="kernel": one tile; push="copy": the whole block,
-    flag[src] at flag_stride 1). WAIT_LATE: an own tile waits for the partial tiles after its main loop, not
-    before it (push="copy": the last member's block lands while the own block is being computed)."""
+    covers flag_tiles tiles of one member's partial block (push="kernel": one tile). WAIT_LATE (push="copy", the own
+    tiles only): an own tile waits for the partial tiles after its main loop, not before it (the members' blocks
+    land while the own block is being computed), and a flag covers flag_tiles row tiles (a row chunk of the
+    member's block, flag[src, chunk] at flag_stride COPY_CHUNKS)."""
     # Register budget (a 128x256 fp32 accumulator is 128 of 255 registers per thread): the epilogue works on column
     # halves (HALF = BLOCK_N // 2; EPILOGUE_SPLIT is not used), own tiles read partial tiles by TMA when rows are
     # 16-byte aligned, pointer loads/stores go in quarters with int32 in-tile offsets, and no wait runs while the
@@ -188,6 +196,7 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
         rows_left = mb - off_m
         cols_left = N - off_n
         owner_pe = tl.load(pes_ptr + owner)
+        flag = pid_m // flag_tiles if WAIT_LATE else t // flag_tiles
         # Waits come before the main loop: a spin loop with the fp32 accumulator live spilled it.
         ready = me
         if owner == me:  # every peer's partial tile is in (an own tile is the last step: they are due)
@@ -196,7 +205,7 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
                 pending = tl.full((), -1, tl.int32)
             parts = recv_ptr
             if not WAIT_LATE:
-                ready = _wait_parts(flags_ptr, me, W, flag_stride, t // flag_tiles, epoch)
+                ready = _wait_parts(flags_ptr, me, W, flag_stride, flag, epoch)
         else:  # the owner has finished reading the last call's slot
             tok = tcl.wait(consumed_ptr + owner, epoch - 1, tcl.CMP_GE)
             parts = tcl.consume_token(tcl.symm_at(recv_ptr, owner_pe), tok) + tl.cast(me, tl.int64) * slot_stride
@@ -204,7 +213,7 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
         c0, c1 = split_cols(acc, BLOCK_M, BLOCK_N)
         if owner == me:
             if WAIT_LATE:
-                ready = _wait_parts(flags_ptr, me, W, flag_stride, t // flag_tiles, epoch)
+                ready = _wait_parts(flags_ptr, me, W, flag_stride, flag, epoch)
             if C_TMA:  # partial tiles by TMA (pointer loads with their masks spilled registers)
                 g = tcl.proxy_fence(ready)  # TMA reads see the peers' stores
                 for s in range(1, W):
@@ -286,11 +295,12 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, group=None, workspace: GemmRsWorks
 
 
 @tilecomm.jit(do_not_specialize=["epoch"])
-def _add_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_stride, BLOCK: tl.constexpr):
+def _add_slots_kernel(recv_ptr, out_ptr, flags_ptr, epoch, me, W, numel, slot_stride, flag_stride,
+                      BLOCK: tl.constexpr):
     """push="copy": out[i] += the other members' slots' element i, members me + 1, me + 2, ... in turn (fp32; recv
     [W, slot_stride] of this call's parity), for this program's BLOCK elements, once every other member's flag
-    says its block of this call has landed."""
-    g = _wait_parts(flags_ptr, me, W, 1, 0, epoch)  # (one flag per member)
+    says its block of this call has landed (the block in one chunk: flag[src, 0])."""
+    g = _wait_parts(flags_ptr, me, W, flag_stride, 0, epoch)
     offs = tl.cast(tl.program_id(0), tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(out_ptr + offs, mask=mask, other=0).to(tl.float32)
@@ -310,12 +320,16 @@ FUSED_OWN_BLOCK = False
 
 def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
     """push="copy" (module docstring): member d's block a[d rows] @ b into the stage, then by the copy engine
-    into slot me of d's recv (this call's parity) with d's flag[me] written behind it, members me + 1, me + 2,
-    ... in turn; then the own block and the other members' slots summed into out (FUSED_OWN_BLOCK: in the fused
-    kernel's own tiles; else cuBLAS, then the add pass; at W = 1 the own block is the whole sum)."""
+    into slot me of d's recv (this call's parity), a row chunk at a time with d's flag[me, chunk] written behind
+    each, members me + 1, me + 2, ... in turn; then the own block and the other members' slots summed into out
+    (FUSED_OWN_BLOCK: in the fused kernel's own tiles, each waiting for its rows' chunk; else cuBLAS, then the add
+    pass, the block in one chunk; at W = 1 the own block is the whole sum)."""
     (M, _), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb, parity = M // W, epoch % 2
-    slot_bytes = ws.max_rows * N * a.element_size()
+    slot_bytes, row_bytes = ws.max_rows * N * a.element_size(), N * a.element_size()
+    fused = FUSED_OWN_BLOCK and W > 1
+    cfg = _own_block_config(a, b, mb, config) if fused else None
+    chunk_rows = cdiv(cdiv(mb, cfg.BLOCK_M), COPY_CHUNKS) * cfg.BLOCK_M if fused else mb
     main = torch.cuda.current_stream(a.device) if ws.stream is not None else None
     for k in range(1, W):
         d = (me + k) % W
@@ -324,34 +338,42 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) ->
         if main is not None:  # the copy after the block's GEMM, beside the next block's
             ws.computed[k - 1].record(main)
             ws.stream.wait_event(ws.computed[k - 1])
-        ws.issuer.copy(ws.peer_recv_addr[d] + (parity * W + me) * slot_bytes, block.data_ptr(),
-                       mb * N * a.element_size())
-        ws.issuer.write(ws.peer_flags_addr[d] + 8 * me, epoch)
+        for c, row in enumerate(range(0, mb, chunk_rows)):
+            ws.issuer.copy(ws.peer_recv_addr[d] + (parity * W + me) * slot_bytes + row * row_bytes,
+                           block.data_ptr() + row * row_bytes, min(chunk_rows, mb - row) * row_bytes)
+            ws.issuer.write(ws.peer_flags_addr[d] + 8 * (me * COPY_CHUNKS + c), epoch)
     if W == 1:  # nothing to add: the own block is the whole sum
         torch.mm(a, b, out=out)
-    elif FUSED_OWN_BLOCK:
-        _launch(a, b, out, ws, epoch, team, config, own_only=True)
+    elif fused:
+        _launch(a, b, out, ws, epoch, team, cfg, own_only=True, chunk_rows=chunk_rows)
     else:
         torch.mm(a[me * mb:(me + 1) * mb], b, out=out)
         _ADD_SLOTS.launch_keyed((cdiv(mb * N, _ADD_BLOCK),), ws.recv[parity], out, ws.flags, epoch, me, W, mb * N,
-                                ws.max_rows * N, BLOCK=_ADD_BLOCK)
+                                ws.max_rows * N, COPY_CHUNKS, BLOCK=_ADD_BLOCK)
     if main is not None:  # the stage is free again (and the caller's stream past this call) once the copies are
         ws.pushed.record(ws.stream)
         main.wait_event(ws.pushed)
 
 
-def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config, own_only: bool = False) -> None:
+def _own_block_config(a, b, mb: int, config):
+    """The fused kernel's tiles for [mb, N] blocks of a @ b (tiles.resolve_config)."""
+    return resolve_config(config, mb, b.shape[1], a.dtype, a.device, lambda cfg: matmul(tma_operand(a)[0][:mb], b, cfg))
+
+
+def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config, own_only: bool = False,
+            chunk_rows: int = 0) -> None:
     """The fused kernel: push="kernel", every tile (module docstring); own_only (push="copy"), the own block's
-    tiles, each adding the other members' slots of this call's parity (one flag per member) after its main
-    loop."""
+    tiles, each adding the other members' slots of this call's parity after its main loop, once the members'
+    flags of its rows' chunk (chunk_rows rows, whole row tiles) hold the call's epoch."""
     (M, K), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb = M // W
     a_t, _ = tma_operand(a)
     bt, b_trans = tma_operand(b, allow_trans=True)
-    cfg = resolve_config(config, mb, N, a.dtype, a.device, lambda cfg: matmul(a_t[:mb], b, cfg))
+    cfg = _own_block_config(a, b, mb, config)
     per_owner = cdiv(mb, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
     if own_only:
-        recv, flag_stride, flag_tiles, consumed = ws.recv[epoch % 2], 1, per_owner, ws.flags  # (consumed: unread)
+        recv, consumed = ws.recv[epoch % 2], ws.flags  # (consumed: unread)
+        flag_stride, flag_tiles = COPY_CHUNKS, chunk_rows // cfg.BLOCK_M
         ranges = [((W - 1) * per_owner, W * per_owner)]
     else:
         recv, flag_tiles, consumed = ws.recv, 1, ws.consumed

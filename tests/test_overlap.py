@@ -157,12 +157,14 @@ class _SlowLaunch:
         self.inner.launch_keyed(*args, **kwargs)
 
 
-def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=False):
+def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=False, slow_copy=False):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     module = importlib.import_module("tilecomm.overlap.gemm_rs")
     ws = _workspace(lambda p: GemmRsWorkspace(N, dtype, mb + 2, push=p), push)  # more rows than the calls use
     if ws is None:
         return
+    if slow_copy and rank == 1:  # rank 1 issues each row chunk of its blocks late: the owners' tiles wait for theirs
+        ws.issuer.copy = _late(ws.issuer.copy, 0.15)
     # rank 0 adds late (slow_add): the others' next call must not overwrite what it reads
     patches = dict(FUSED_OWN_BLOCK=fused_own)  # the copy push's two forms of the own block (GEMM and slots' sum)
     if slow_add and rank == 0:
@@ -201,6 +203,13 @@ def test_gemm_rs_copy_fused_own_block(ranks, world):
     """push="copy" with FUSED_OWN_BLOCK: the own tiles wait after their main loop and add the slots by TMA (bf16,
     N = 40: 16-byte rows), over 3 calls."""
     ranks(world).run(gemm_rs_body, 17, 29, 40, torch.bfloat16, 3, "copy", False, True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gemm_rs_copy_fused_own_block_waits_per_chunk(ranks, world):
+    """push="copy" with FUSED_OWN_BLOCK and rank 1 copying each row chunk of its blocks late: an own tile reads a
+    member's slot only once the chunk holding its rows has landed (37 rows: three 16-row chunks on CPU ranks)."""
+    ranks(world).run(gemm_rs_body, 37, 19, 50, torch.float32, 3, "copy", False, True, True)
 
 
 @pytest.mark.parametrize("fused_own", [True, False], ids=["fused own block", "cuBLAS and add pass"])
