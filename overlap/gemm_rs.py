@@ -67,9 +67,15 @@ from .tiles import (b_desc3, c_desc3, check_operands, desc3, dot_precision, laun
                     resolve_config, split_cols, store_tile, tile_position, tile_product, tma_operand)
 
 MIN_BLOCK = 16  # flags are sized for the smallest tile any config uses
-# push="copy" with FUSED_OWN_BLOCK: a block goes to its owner in up to this many row chunks (whole row tiles of the
-# own block's GEMM), each with its flag, so an own tile waits only for the rows it adds (flags [W, COPY_CHUNKS])
+# push="copy" with FUSED_OWN_BLOCK: a block goes to its owner in up to this many row chunks (copy_chunk_rows), each
+# with its flag, so an own tile waits only for the rows it adds (flags [W, COPY_CHUNKS])
 COPY_CHUNKS = 8
+
+
+def copy_chunk_rows(mb: int) -> int:
+    """Rows per chunk of an [mb, N] block: a function of mb alone, so that writers and readers agree whatever tiles
+    each rank's GEMM runs."""
+    return cdiv(cdiv(mb, COPY_CHUNKS), MIN_BLOCK) * MIN_BLOCK
 
 
 class GemmRsWorkspace(OpWorkspace):
@@ -162,15 +168,16 @@ def _wait_parts(flags_ptr, me, W, flag_stride, index, epoch):
 
 @tilecomm.jit(do_not_specialize=["epoch"])
 def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pes_ptr, epoch, mb, N, K, me, W,
-                    tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride, flag_tiles,
+                    tile_begin, tile_end, stride_am, stride_b, stride_om, slot_stride, flag_stride, flag_span,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, B_TRANS: tl.constexpr,
                     C_TMA: tl.constexpr, PRECISION: tl.constexpr, WAIT_LATE: tl.constexpr):
     """Tiles tile_begin .. tile_end - 1 of the walk over owners me+1, me+2, ..., me (module docstring). A flag
-    covers flag_tiles tiles of one member's partial block (push="kernel": one tile). WAIT_LATE (push="copy", the own
+    covers flag_span tiles of one member's partial block (push="kernel": one tile). WAIT_LATE (push="copy", the own
     tiles only): an own tile waits for the partial tiles after its main loop, not before it (the members' blocks
-    land while the own block is being computed), and a flag covers flag_tiles row tiles (a row chunk of the
-    member's block, flag[src, chunk] at flag_stride COPY_CHUNKS)."""
+    land while the own block is being computed), and a flag covers flag_span rows (a row chunk of the member's
+    block, flag[src, chunk] at flag_stride COPY_CHUNKS; the chunks land in order, so a tile waits for the chunk of
+    its last row)."""
     # Register budget (a 128x256 fp32 accumulator is 128 of 255 registers per thread): the epilogue works on column
     # halves (HALF = BLOCK_N // 2; EPILOGUE_SPLIT is not used), own tiles read partial tiles by TMA when rows are
     # 16-byte aligned, pointer loads/stores go in quarters with int32 in-tile offsets, and no wait runs while the
@@ -196,7 +203,7 @@ def _gemm_rs_kernel(a_ptr, b_ptr, out_ptr, recv_ptr, flags_ptr, consumed_ptr, pe
         rows_left = mb - off_m
         cols_left = N - off_n
         owner_pe = tl.load(pes_ptr + owner)
-        flag = pid_m // flag_tiles if WAIT_LATE else t // flag_tiles
+        flag = (tl.minimum(off_m + BLOCK_M, mb) - 1) // flag_span if WAIT_LATE else t // flag_span
         # Waits come before the main loop: a spin loop with the fp32 accumulator live spilled it.
         ready = me
         if owner == me:  # every peer's partial tile is in (an own tile is the last step: they are due)
@@ -328,8 +335,7 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) ->
     mb, parity = M // W, epoch % 2
     slot_bytes, row_bytes = ws.max_rows * N * a.element_size(), N * a.element_size()
     fused = FUSED_OWN_BLOCK and W > 1
-    cfg = _own_block_config(a, b, mb, config) if fused else None
-    chunk_rows = cdiv(cdiv(mb, cfg.BLOCK_M), COPY_CHUNKS) * cfg.BLOCK_M if fused else mb
+    chunk_rows = copy_chunk_rows(mb) if fused else mb
     main = torch.cuda.current_stream(a.device) if ws.stream is not None else None
     for k in range(1, W):
         d = (me + k) % W
@@ -345,7 +351,7 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) ->
     if W == 1:  # nothing to add: the own block is the whole sum
         torch.mm(a, b, out=out)
     elif fused:
-        _launch(a, b, out, ws, epoch, team, cfg, own_only=True, chunk_rows=chunk_rows)
+        _launch(a, b, out, ws, epoch, team, config, own_only=True)
     else:
         torch.mm(a[me * mb:(me + 1) * mb], b, out=out)
         _ADD_SLOTS.launch_keyed((cdiv(mb * N, _ADD_BLOCK),), ws.recv[parity], out, ws.flags, epoch, me, W, mb * N,
@@ -355,28 +361,22 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) ->
         main.wait_event(ws.pushed)
 
 
-def _own_block_config(a, b, mb: int, config):
-    """The fused kernel's tiles for [mb, N] blocks of a @ b (tiles.resolve_config)."""
-    return resolve_config(config, mb, b.shape[1], a.dtype, a.device, lambda cfg: matmul(tma_operand(a)[0][:mb], b, cfg))
-
-
-def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config, own_only: bool = False,
-            chunk_rows: int = 0) -> None:
+def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config, own_only: bool = False) -> None:
     """The fused kernel: push="kernel", every tile (module docstring); own_only (push="copy"), the own block's
     tiles, each adding the other members' slots of this call's parity after its main loop, once the members'
-    flags of its rows' chunk (chunk_rows rows, whole row tiles) hold the call's epoch."""
+    flags of its rows' chunk (copy_chunk_rows) hold the call's epoch."""
     (M, K), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb = M // W
     a_t, _ = tma_operand(a)
     bt, b_trans = tma_operand(b, allow_trans=True)
-    cfg = _own_block_config(a, b, mb, config)
+    cfg = resolve_config(config, mb, N, a.dtype, a.device, lambda cfg: matmul(a_t[:mb], b, cfg))
     per_owner = cdiv(mb, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N)
     if own_only:
         recv, consumed = ws.recv[epoch % 2], ws.flags  # (consumed: unread)
-        flag_stride, flag_tiles = COPY_CHUNKS, chunk_rows // cfg.BLOCK_M
+        flag_stride, flag_span = COPY_CHUNKS, copy_chunk_rows(mb)
         ranges = [((W - 1) * per_owner, W * per_owner)]
     else:
-        recv, flag_tiles, consumed = ws.recv, 1, ws.consumed
+        recv, flag_span, consumed = ws.recv, 1, ws.consumed
         flag_stride = cdiv(ws.max_rows, MIN_BLOCK) * cdiv(N, MIN_BLOCK)
         # GPUs: one launch over every tile; CPU ranks: peer tiles, then own tiles (see the module docstring)
         own = ((W - 1) * per_owner, W * per_owner)
@@ -385,7 +385,7 @@ def _launch(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config, own_only: 
         if end > begin:
             launch_gemm(_GEMM_RS, end - begin, cfg, a_t, bt, out, recv, ws.flags, consumed, team.pes, epoch,
                         mb, N, K, me, W, begin, end, a_t.stride(0), bt.stride(0), out.stride(0), recv.stride(0),
-                        flag_stride, flag_tiles, B_TRANS=b_trans, C_TMA=out.stride(0) * out.element_size() % 16 == 0,
+                        flag_stride, flag_span, B_TRANS=b_trans, C_TMA=out.stride(0) * out.element_size() % 16 == 0,
                         PRECISION=dot_precision(a.dtype), WAIT_LATE=own_only)
 
 

@@ -44,7 +44,7 @@ LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ", "OWN_IN_PLACE")
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
           "W": "i32", "tile_begin": "i32", "tile_end": "i32", "stride_am": "i32", "stride_b": "i32", "stride_om": "i32",
-          "slot_stride": I64, "flag_stride": "i32", "flag_tiles": "i32", **GEMM_SIG, "WAIT_LATE": "constexpr"}
+          "slot_stride": I64, "flag_stride": "i32", "flag_span": "i32", **GEMM_SIG, "WAIT_LATE": "constexpr"}
 # grouped's weight-gradient kernels: GEMM's constexprs but B_TRANS and WARP_SPECIALIZE, and the accumulator type
 WGRAD = dict({k: v for k, v in GEMM.items() if k not in ("B_TRANS", "WARP_SPECIALIZE")}, ACC=triton.language.float32)
 WGRAD_SIG = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16", "offs_ptr": "*i32", "R": "i32", "K": "i32",
