@@ -20,11 +20,10 @@ slower (on 2 H200s 402.2 µs against 372.9 for 8192x3584x4096: the peer's 33.5 M
 block, so the first tiles waited for all of it; 2026-11-27 from 19:26 UTC; on 4 H200s 405.7 against 390.2), so a
 block now goes in COPY_CHUNKS row chunks, a flag behind each, and a tile waits for its rows' chunk only (the
 first chunks land before the first wave of tiles ends; not measured on GPUs yet: tests/copy_push_probe.py times
-both forms). At
-W = 1 there is nothing to add: the op is cuBLAS's GEMM. The recv buffer is double-buffered by call parity, so
-no copy waits for its reader (call e + 1 writes the half call e - 1 used: ag_gemm's argument, module docstring
-there). The fused kernel as the whole op (below) took 1.37x / 1.15x, its
-tile stores over NVLink stalling the math.
+both forms). At W = 1 there is nothing to add: the op is cuBLAS's GEMM. The recv buffer is double-buffered by
+call parity, so no copy waits for its reader (call e + 1 writes the half call e - 1 used: ag_gemm's argument,
+module docstring there). The fused kernel as the whole op (below) took 1.37x / 1.15x, its tile stores over
+NVLink stalling the math.
 
 "kernel" (TILECOMM_TRANSPORT=nvshmem, or a member without a load/store mapping). One persistent kernel (the
 TMA tile GEMM of tiles.py) walks the row blocks owner by owner, starting with member me+1 and ending with its
