@@ -65,7 +65,9 @@ class NormalConfig:
     step in send / in expand and combine; tokens_per_program:
     received (or own) tokens per expand / combine chunk; trailing (GPUs of sm_90 on): the expand and
     combine_recv launch as programmatic dependents of the send / combine_send (PDL): their programs may take
-    SM slots once every program of the kernel they trail has started, and wait per block (False: after it)."""
+    SM slots once every program of the kernel they trail has started, and wait per block (False: after it).
+    send_tma: the send stores rows by TMA (a row a tile of 256-byte pieces; rows that are not whole pieces, and
+    the FP8 scales, by vector stores)."""
 
     pairs_per_program: int = 128
     send_programs: int = 0
@@ -74,6 +76,7 @@ class NormalConfig:
     tokens_per_program: int = 1
     num_warps: int = 4
     trailing: bool = True
+    send_tma: bool = False
 
     @staticmethod
     def for_device(device: torch.device, hidden: int, world: int = 1) -> "NormalConfig":
@@ -234,12 +237,36 @@ def _send_rows(src_ptr, dst_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W: 
             tl.store(dst + dst_row[:, None] + cols[None, :], v, mask=hit[:, None] & cm[None, :])
 
 
+@triton.jit
+def _send_rows_tma(src_ptr, dst_ptr, owner, tok, tok_ok, me, T, W, M, H, ROW, BLOCK_T: tl.constexpr,
+                   PIECES: tl.constexpr):
+    """`_send_rows` by TMA (NormalConfig.send_tma): a row is one tile of PIECES pieces of 256 bytes (the pieces past
+    H: zeros loaded, stores clipped), loaded and stored into each rank's rows[me, t] per rank, the loads of the next
+    rows in flight while one is stored. The stores are complete before the block's signal (tcl.bulk_wait)."""
+    PIECE: tl.constexpr = 256 // (src_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    src = tl.make_tensor_descriptor(src_ptr, [tl.maximum(T, 1), H // PIECE, PIECE], [H, PIECE, 1], [1, PIECES, PIECE])
+    tcl.proxy_fence(tl.full((), 0, tl.int32))  # the TMA stores come after the consumed words' acquire
+    for i in range(0, W):  # from me + 1 on, as _send_rows
+        r = (me + 1 + i) % W
+        hit = tok_ok & (tl.max((owner == r).to(tl.int32), axis=1) > 0)
+        order = tl.cumsum(hit.to(tl.int32), axis=0) - 1  # a hit token's index among the block's hits
+        n = tl.sum(hit.to(tl.int32), axis=0)
+        if n > 0:
+            dst = tl.make_tensor_descriptor(tcl.symm_at(dst_ptr, r), [W * M, H // PIECE, PIECE], [ROW, PIECE, 1],
+                                            [1, PIECES, PIECE])
+            for j in tl.range(0, n, num_stages=3):
+                t = tl.sum(tl.where(hit & (order == j), tok, 0), axis=0).to(tl.int32)
+                dst.store([me * M + t, 0, 0], src.load([t, 0, 0]))
+    tcl.bulk_wait(tl.full((), 0, tl.int32))
+
+
 @tilecomm.jit(do_not_specialize=["T", "seq"])
 def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr, route_ptr, slot_ptr, weight_ptr,
                  blocks_ptr, consumed_ptr, T, seq, E, E_L, W, M, H, ROW, H2, ROW2,
                  K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                 ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr):
+                 ALIGN2: tl.constexpr, WITH_META: tl.constexpr, HAS_X2: tl.constexpr, PDL: tl.constexpr,
+                 TMA_PIECES: tl.constexpr):
     if PDL:  # the expand, launched as its dependent, may start once every program of this grid has
         tl.extra.cuda.gdc_launch_dependents()
     me = tcl.rank()
@@ -252,7 +279,10 @@ def _send_kernel(x_ptr, x2_ptr, topk_ptr, w_ptr, counts_ptr, rows_ptr, rows2_ptr
             _send_meta(topk_ptr, w_ptr, counts_ptr, route_ptr, slot_ptr, weight_ptr, b, me, T, E, E_L, W, M, K, BT,
                        BLOCK_P, BLOCK_B, BLOCK_W)
         tok, tok_ok, owner = block_owners(topk_ptr, b, T, E, E_L, K, BT, BLOCK_T, BLOCK_K)
-        _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
+        if TMA_PIECES:  # (0: vector stores)
+            _send_rows_tma(x_ptr, rows_ptr, owner, tok, tok_ok, me, T, W, M, H, ROW, BLOCK_T, TMA_PIECES)
+        else:
+            _send_rows(x_ptr, rows_ptr, owner, tok, tok_ok, me, W, M, H, ROW, BLOCK_W, BLOCK_H, ALIGN)
         if HAS_X2:
             _send_rows(x2_ptr, rows2_ptr, owner, tok, tok_ok, me, W, M, H2, ROW2, BLOCK_W, BLOCK_H, ALIGN2)
         # the block's signal: tcl.signal meets the program's threads at a barrier, then signals with release at

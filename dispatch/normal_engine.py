@@ -166,7 +166,9 @@ class FusedEngine:
         self.seq[1] += 1
         args = (self._or_dummy(x, x.dtype), self._or_dummy(x2, torch.float32), self._or_dummy(topk, topk.dtype),
                 self._or_dummy(weights, torch.float32), x.shape[0], self.seq[1])
-        key = (x.dtype, x.shape[1], None if x2 is None else (x2.dtype, x2.shape[1]), topk.dtype, weights is None)
+        # (x 16-byte aligned: send_tma's rows may go by TMA)
+        key = (x.dtype, x.shape[1], None if x2 is None else (x2.dtype, x2.shape[1]), topk.dtype, x.data_ptr() % 16 == 0,
+               weights is None)
         send = self._bound.get(("send", key))
         if send is None:
             send = self._bound[("send", key)] = self._bind_send(key, x, x2, args)
@@ -182,7 +184,10 @@ class FusedEngine:
             row2 = self._row(x2.dtype, x.shape[1] * x.element_size() // x2.element_size() + x2.shape[1], "dispatch")
             h2, align2 = x2.shape[1], 16 // x2.element_size()
             rows2 = self._typed("rows", x2.dtype)[x.shape[1] * x.element_size() // x2.element_size():]
-        st, K = self.state, self.K
+        st, K, H = self.state, self.K, x.shape[1]
+        piece = 256 // x.element_size()  # send_tma: rows of whole 256-byte pieces (NormalConfig)
+        tma = self.cfg.send_tma and H % piece == 0 and row * x.element_size() % 16 == 0 and key[-2]
+        tma_pieces = _P2(H // piece) if tma else 0
         full = [*args[:4], self._counts, self._typed("rows", x.dtype), self._or_dummy(rows2, torch.float32), st.route,
                 st.slot, st.weight, st.blocks, self._sig[_SIG_FWD_CONSUMED], args[4], args[5], self.E, self.E_L,
                 self.W, self.M, x.shape[1], row, h2, row2]
@@ -190,7 +195,7 @@ class FusedEngine:
             key, full, (0, 1, 2, 3, 12, 13), K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_T=_P2(self.bt),
             BLOCK_K=_P2(K), BLOCK_B=16, BLOCK_W=_P2(self.W), BLOCK_H=self.cfg.send_block_h,
             ALIGN=16 // x.element_size(), ALIGN2=align2, WITH_META=not key[-1], HAS_X2=x2 is not None,
-            PDL=self.pdl, num_warps=self.cfg.num_warps)
+            PDL=self.pdl, TMA_PIECES=tma_pieces, num_warps=self.cfg.num_warps)
 
     def _expand(self, p: FusedPlan, out, out_w, out2) -> None:
         args = (self._or_dummy(out, out.dtype), self._or_dummy(out2, torch.float32),

@@ -5,6 +5,7 @@ TILECOMM_TEST_ITERS sets the random-loop iterations per world size and mode (CPU
 can afford 1000)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -66,12 +67,15 @@ def _expert_of_rows(res, rank, e_local):
     return torch.repeat_interleave(torch.arange(e_local, device=res.x.device) + rank * e_local, res.tokens_per_expert)
 
 
-def dispatch_combine_body(seed, T_by_rank, H, K, E, dtype, backend, routing):
+def dispatch_combine_body(seed, T_by_rank, H, K, E, dtype, backend, routing, tma_pieces=None):
+    """tma_pieces: the send's TMA tile of pieces it must have launched with (NormalConfig.send_tma)."""
     rank, world = tilecomm.rank(), tilecomm.world_size()
     T = T_by_rank[rank]
     x, idx, w = _inputs(seed * 31 + rank, T, H, K, E, dtype, **routing)
     d = Dispatcher(E, H, max_tokens_per_rank=max(T_by_rank) + 1, topk=K, dtype=dtype, backend=backend)
     res = d.dispatch(x, idx, w, async_op=bool(seed % 2))
+    if tma_pieces is not None:
+        assert [b.constexprs["TMA_PIECES"] for k, b in d._engine._bound.items() if k[0] == "send"] == [tma_pieces]
     if res.work is not None:
         assert res.work.wait()
     if x.is_cuda:  # a wait that timed out on the GPU is recorded there: raise it rather than compare
@@ -119,6 +123,27 @@ def test_dispatch_combine_match_global_reference(ranks, world, case, backend):
 def test_dispatch_combine_bf16(ranks, world):  # (4 send blocks of 64 tokens: CPU ranks' 3 send programs loop)
     many = {2: [200, 77], 3: [150, 0, 233]}[world]
     ranks(world).run(dispatch_combine_body, 2, many, 32, 4, 6 * world, torch.bfloat16, "tilecomm", {})
+
+
+def send_tma_body(*args):
+    """dispatch_combine_body with NormalConfig.send_tma on: the send's rows by TMA tiles of 256-byte pieces."""
+    from tilecomm.dispatch.normal import NormalConfig
+    default = NormalConfig.for_device
+    NormalConfig.for_device = staticmethod(lambda device, hidden, world=1: dataclasses.replace(
+        default(device, hidden, world), send_tma=True))
+    try:
+        return dispatch_combine_body(*args)
+    finally:
+        NormalConfig.for_device = default
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype,H", [(torch.float32, 192), (torch.bfloat16, 384)], ids=["fp32", "bf16"])
+def test_dispatch_combine_send_tma(ranks, world, dtype, H):
+    """The send's TMA rows: 3 pieces of 256 bytes a row (a tile of 4 pieces: one past the row, loaded as zeros and
+    not stored), uneven tokens with a rank that has none, several send blocks per program."""
+    many = {2: [70, 9], 3: [0, 131, 66]}[world]
+    ranks(world).run(send_tma_body, 3, many, H, 4, 6 * world, dtype, "tilecomm", {"drop": 0.3}, 4)
 
 
 def gradients_body(seed, T, H, K, E, backend):
