@@ -10,7 +10,7 @@ import torch
 import triton.language as tl
 
 import tilecomm
-from tilecomm.jit import BoundLaunch, CachedLaunch, cdiv, next_pow2, pdl_available
+from tilecomm.jit import BoundLaunch, CachedLaunch, cdiv, next_pow2, pdl_available, prepare_tma
 
 from .buffers import SymmetricState, normal_specs, row_bytes
 from .normal import (NormalConfig, _BIG, _combine_recv_kernel, _combine_send_kernel, _expand_kernel, _route_kernel,
@@ -172,6 +172,8 @@ class FusedEngine:
         send = self._bound.get(("send", key))
         if send is None:
             send = self._bound[("send", key)] = self._bind_send(key, x, x2, args)
+        if send.constexprs["TMA_PIECES"]:  # (send_tma: the scratch of the descriptors the kernel builds)
+            prepare_tma()
         blocks = max(1, cdiv(x.shape[0], self.bt))
         send.launch((min(blocks, self.cfg.send_programs) if self.cfg.send_programs > 0 else blocks,), *args)
 
