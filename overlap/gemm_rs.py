@@ -12,9 +12,7 @@ writes the member's flag[me] = epoch behind it (a stream write, tilecomm.stream_
 next blocks' GEMMs and take no SM. Then the own block's GEMM (cuBLAS) goes straight into `out`, and one kernel
 (`_add_slots_kernel`) adds the other members' slots (fp32) once their flags hold the call's epoch: on 4 H200s
 1.14x / 1.07x the GEMM alone for 8192x3584x4096 / 8192x7168x8192, the add pass ~22 µs of the small shape's ~50
-over the GEMM (BENCHMARKS.md, 2026-11-27 from 17:52 UTC). The own block's GEMM goes in OWN_PIECES row pieces,
-and the add pass of a piece runs on the workspace's stream beside the next piece's GEMM, so only the last
-piece's add is left after the GEMMs. With FUSED_OWN_BLOCK the own block is instead the fused
+over the GEMM (BENCHMARKS.md, 2026-11-27 from 17:52 UTC). With FUSED_OWN_BLOCK the own block is instead the fused
 kernel below run over the own tiles only: each tile's main loop, then a wait for every member's flag of its rows
 (WAIT_LATE: the block the last member computed for this rank is still on its way while the own block is
 computed), then the slots added in the epilogue and the sum stored into `out`. With one flag per block that was
@@ -53,8 +51,6 @@ made up front (layers make theirs in `__init__`); without one, a temporary works
 `gemm_rs_reference` is the torch version the tests use.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -106,7 +102,6 @@ class GemmRsWorkspace(OpWorkspace):
         cuda = self.stream is not None
         self.computed = [torch.cuda.Event() if cuda else None for _ in range(W - 1)]  # stage block k is ready
         self.pushed = torch.cuda.Event() if cuda else None  # every copy of the call has been issued before it
-        self.own_piece_done = torch.cuda.Event() if cuda else None  # an own-block piece's GEMM (OWN_PIECES)
 
     @staticmethod
     def specs(N: int, dtype: torch.dtype, max_rows: int, W: int, push: str) -> dict:
@@ -327,30 +322,14 @@ _ADD_BLOCK = 4096  # elements per program of _add_slots_kernel
 # WAIT_LATE); False: cuBLAS's GEMM of the own block, then _add_slots_kernel (module docstring; the faster one
 # measured for 8192x3584x4096: on 2 H200s 372.9 µs against 402.2, on 4 H200s 390.2 against 405.7, BENCHMARKS.md)
 FUSED_OWN_BLOCK = False
-# push="copy" at W > 1 without FUSED_OWN_BLOCK: the own block's GEMM in this many row pieces (own_piece_bounds), the add
-# pass of each but the last on the workspace's stream beside the next piece's GEMM (1: one GEMM, then the add pass)
-OWN_PIECES = 2
-
-
-def own_piece_bounds(mb: int) -> list:
-    """Row bounds of the own block's pieces: OWN_PIECES about equal pieces, multiples of MIN_BLOCK rows but the last
-    (fewer pieces where the block is small)."""
-    step = cdiv(cdiv(mb, OWN_PIECES), MIN_BLOCK) * MIN_BLOCK
-    return list(range(0, mb, step)) + [mb]
-
-
-def _on(stream):
-    """torch.cuda.stream(stream) where stream is a CUDA stream, else nothing (CPU ranks, or the caller's stream)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) -> None:
     """push="copy" (module docstring): member d's block a[d rows] @ b into the stage, then by the copy engine
     into slot me of d's recv (this call's parity), a row chunk at a time with d's flag[me, chunk] written behind
     each, members me + 1, me + 2, ... in turn; then the own block and the other members' slots summed into out
-    (FUSED_OWN_BLOCK: in the fused kernel's own tiles, each waiting for its rows' chunk; else cuBLAS in OWN_PIECES
-    row pieces, each piece's add pass beside the next piece's GEMM, the block in one chunk; at W = 1 the own block is
-    the whole sum)."""
+    (FUSED_OWN_BLOCK: in the fused kernel's own tiles, each waiting for its rows' chunk; else cuBLAS, then the add
+    pass, the block in one chunk; at W = 1 the own block is the whole sum)."""
     (M, _), N, W, me = a.shape, b.shape[1], team.size, team.index
     mb, parity = M // W, epoch % 2
     slot_bytes, row_bytes = ws.max_rows * N * a.element_size(), N * a.element_size()
@@ -372,17 +351,10 @@ def _gemm_then_copy(a, b, out, ws: GemmRsWorkspace, epoch: int, team, config) ->
         torch.mm(a, b, out=out)
     elif fused:
         _launch(a, b, out, ws, epoch, team, config, own_only=True)
-    else:  # the own block in OWN_PIECES row pieces, each piece's add pass beside the next piece's GEMM
-        own, recv = a[me * mb:(me + 1) * mb], ws.recv[parity]
-        bounds = own_piece_bounds(mb)
-        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            torch.mm(own[lo:hi], b, out=out[lo:hi])
-            if main is not None and hi < mb:  # on the copy stream (its copies were issued before), off the GEMMs'
-                ws.own_piece_done.record(main)
-                ws.stream.wait_event(ws.own_piece_done)
-            with _on(ws.stream if hi < mb else None):
-                _ADD_SLOTS.launch_keyed((cdiv((hi - lo) * N, _ADD_BLOCK),), recv[:, lo:], out[lo:hi], ws.flags,
-                                        epoch, me, W, (hi - lo) * N, ws.max_rows * N, COPY_CHUNKS, BLOCK=_ADD_BLOCK)
+    else:
+        torch.mm(a[me * mb:(me + 1) * mb], b, out=out)
+        _ADD_SLOTS.launch_keyed((cdiv(mb * N, _ADD_BLOCK),), ws.recv[parity], out, ws.flags, epoch, me, W, mb * N,
+                                ws.max_rows * N, COPY_CHUNKS, BLOCK=_ADD_BLOCK)
     if main is not None:  # the stage is free again (and the caller's stream past this call) once the copies are
         ws.pushed.record(ws.stream)
         main.wait_event(ws.pushed)

@@ -20,8 +20,7 @@ ranks of each rank's median; every rep times the columns in turn, as the bench d
               epilogue; False: cuBLAS, then an add pass) or ag_gemm.OWN_SHARD ("cublas", "in_place": every shard
               through the persistent GEMM, the own one read from a_shard; "copied": the own shard copied into its
               gather slot too), each with and without copies (at W = 1 "copied" with no copies is the persistent
-              GEMM of the one shard, no wait held up); gemm_rs.OWN_PIECES=n: the own block's GEMM in n row pieces,
-              each piece's add pass beside the next piece's GEMM
+              GEMM of the one shard, no wait held up)
   host        µs the host takes to issue one call (20 calls, no synchronize between): above the GPU's time the
               op is host-bound
 Not a test: the bench checks the results.
@@ -121,15 +120,11 @@ def main():
                 module, flag = (rs, "FUSED_OWN_BLOCK") if op == "gemm_rs" else (ag, "OWN_SHARD")
                 others = [not rs.FUSED_OWN_BLOCK] if op == "gemm_rs" else [f for f in ag.OWN_SHARD_FORMS
                                                                             if f != ag.OWN_SHARD]
-                forms = [(module, flag, other) for other in others]
-                if op == "gemm_rs":  # the add pass beside the own block's GEMM in pieces (1: after it)
-                    forms += [(rs, "OWN_PIECES", n) for n in (1, 2, 3, 4) if n != rs.OWN_PIECES]
                 rows = {"cuBLAS whole": fns["gemm"], "tc matmul": fns["tc_gemm"], "blocks": _blocks(shape, W, device),
                         "fused": fns["fused"], "no copies": _no_copies(fns["fused"], ws)}
-                for form_module, form_flag, other in forms:
-                    rows[f"{form_flag}={other}"] = _with(fns["fused"], form_module, form_flag, other)
-                    rows[f"{form_flag}={other} no copies"] = _with(_no_copies(fns["fused"], ws), form_module, form_flag,
-                                                                   other)
+                for other in others:
+                    rows[f"{flag}={other}"] = _with(fns["fused"], module, flag, other)
+                    rows[f"{flag}={other} no copies"] = _with(_no_copies(fns["fused"], ws), module, flag, other)
                 times = _times_us(rows, cfg, True)  # the columns in turn inside every rep (the bench's timing)
                 host = _host_us(fns["fused"])
                 torch.cuda.synchronize()

@@ -157,7 +157,7 @@ class _SlowLaunch:
         self.inner.launch_keyed(*args, **kwargs)
 
 
-def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=False, slow_copy=False, own_pieces=2):
+def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=False, slow_copy=False):
     rank, world = tilecomm.rank(), tilecomm.world_size()
     module = importlib.import_module("tilecomm.overlap.gemm_rs")
     ws = _workspace(lambda p: GemmRsWorkspace(N, dtype, mb + 2, push=p), push)  # more rows than the calls use
@@ -166,8 +166,7 @@ def gemm_rs_body(mb, K, N, dtype, calls, push="auto", slow_add=False, fused_own=
     if slow_copy and rank == 1:  # rank 1 issues each row chunk of its blocks late: the owners' tiles wait for theirs
         ws.issuer.copy = _late(ws.issuer.copy, 0.15)
     # rank 0 adds late (slow_add): the others' next call must not overwrite what it reads
-    # the copy push's two forms of the own block (GEMM and slots' sum); the cuBLAS form's GEMM in own_pieces row pieces
-    patches = dict(FUSED_OWN_BLOCK=fused_own, OWN_PIECES=own_pieces)
+    patches = dict(FUSED_OWN_BLOCK=fused_own)  # the copy push's two forms of the own block (GEMM and slots' sum)
     if slow_add and rank == 0:
         patches.update(_ADD_SLOTS=_SlowLaunch(module._ADD_SLOTS, 0.3), launch_gemm=_late(module.launch_gemm))
     calls_made = []  # every call first, then the checks: no collective between calls holds a rank back
@@ -213,14 +212,12 @@ def test_gemm_rs_copy_fused_own_block_waits_per_chunk(ranks, world):
     ranks(world).run(gemm_rs_body, 37, 19, 50, torch.float32, 3, "copy", False, True, True)
 
 
-@pytest.mark.parametrize("fused_own,pieces", [(True, 2), (False, 2), (False, 3)],
-                         ids=["fused own block", "cuBLAS and add pass", "cuBLAS in 3 pieces"])
-def test_gemm_rs_copy_slow_reader(ranks, fused_own, pieces):
+@pytest.mark.parametrize("fused_own", [True, False], ids=["fused own block", "cuBLAS and add pass"])
+def test_gemm_rs_copy_slow_reader(ranks, fused_own):
     """push="copy" with rank 0 adding its peers' blocks late in every call: its peers run ahead into their next call, whose
     copies go to the other half of its recv buffer (one half for every call failed this test). Both forms of the own
-    block, the cuBLAS one in 2 and 3 row pieces (rows 0-31 / 32-36 and 0-15 / 16-31 / 32-36, each piece's add pass
-    after its GEMM); 37 x 50 outputs: several row and column tiles (16 x 16 on CPU ranks)."""
-    ranks(3).run(gemm_rs_body, 37, 19, 50, torch.float32, 4, "copy", True, fused_own, False, pieces)
+    block; 37 x 50 outputs: several row and column tiles (16 x 16 on CPU ranks)."""
+    ranks(3).run(gemm_rs_body, 37, 19, 50, torch.float32, 4, "copy", True, fused_own)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
