@@ -5,7 +5,6 @@ TILECOMM_TEST_ITERS sets the random-loop iterations per world size and mode (CPU
 can afford 1000)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -123,27 +122,6 @@ def test_dispatch_combine_match_global_reference(ranks, world, case, backend):
 def test_dispatch_combine_bf16(ranks, world):  # (4 send blocks of 64 tokens: CPU ranks' 3 send programs loop)
     many = {2: [200, 77], 3: [150, 0, 233]}[world]
     ranks(world).run(dispatch_combine_body, 2, many, 32, 4, 6 * world, torch.bfloat16, "tilecomm", {})
-
-
-def send_tma_body(*args):
-    """dispatch_combine_body with NormalConfig.send_tma on: the send's rows by TMA tiles of 256-byte pieces."""
-    from tilecomm.dispatch.normal import NormalConfig
-    default = NormalConfig.for_device
-    NormalConfig.for_device = staticmethod(lambda device, hidden, world=1: dataclasses.replace(
-        default(device, hidden, world), send_tma=True))
-    try:
-        return dispatch_combine_body(*args)
-    finally:
-        NormalConfig.for_device = default
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype,H", [(torch.float32, 192), (torch.bfloat16, 384)], ids=["fp32", "bf16"])
-def test_dispatch_combine_send_tma(ranks, world, dtype, H):
-    """The send's TMA rows: 3 pieces of 256 bytes a row (a tile of 4 pieces: one past the row, loaded as zeros and
-    not stored), uneven tokens with a rank that has none, several send blocks per program."""
-    many = {2: [70, 9], 3: [0, 131, 66]}[world]
-    ranks(world).run(send_tma_body, 3, many, H, 4, 6 * world, dtype, "tilecomm", {"drop": 0.3}, 4)
 
 
 def gradients_body(seed, T, H, K, E, backend):
