@@ -239,5 +239,10 @@ if has train; then
   done
 fi
 
-# everything under $OUT in one archive (the device tool brings back a handful of files per call)
-tar czf /tmp/tilecomm_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/tilecomm_out.tgz "$OUT/all.tgz"
+# what this run wrote under $OUT in one archive (the device tool brings back a handful of files per call): run_N.tgz,
+# N counting the runs of this call, earlier runs' archives left as they are (not nested: a command that runs several
+# phases in turn gets one archive each; deleting one loses only that run's logs)
+runs=$(find "$OUT" -maxdepth 1 -name 'run_*.tgz' | wc -l)
+tar czf /tmp/tilecomm_out.tgz --exclude='./run_*.tgz' -C "$OUT" . \
+  && find "${OUT:?}" -mindepth 1 -maxdepth 1 ! -name 'run_*.tgz' -exec rm -rf {} + \
+  && mv /tmp/tilecomm_out.tgz "$OUT/run_$runs.tgz"
