@@ -4,7 +4,7 @@
 
 Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 0: reduce_scatter
 unstaggered (default 1, CollectiveState.rs_stagger) [/ 1: L2 eviction hints on the staged pairs (default 0,
-CollectiveState.ring_hints)]]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
+CollectiveState.ring_hints) [/ 1: equal chunks per program (default 0, CollectiveState.balanced_chunks)]]]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
 holds two rings of that chunk), every case is checked against NCCL's result once, then timed (µs per call, 50
 calls back to back, the slowest rank's). --heap adds each case again with input and output on the symmetric heap
 (tilecomm.empty: read in place by the peers, no staging ring).
@@ -120,11 +120,12 @@ def main():
     sms = torch.cuda.get_device_properties(local).multi_processor_count
     for config in args.configs.split(","):
         per_sm, chunk_k, block_k, *rest = [int(v) for v in config.split("/")]
-        depth, stagger, hints = (rest + [DEPTH, 1, 0][len(rest):])[:3]
+        depth, stagger, hints, balanced = (rest + [DEPTH, 1, 0, 0][len(rest):])[:4]
         slots = world * max(1, per_sm * sms // world)
         workspace = 2 * slots * depth * (chunk_k << 10)
         ctx.collectives = CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth,
-                                                 rs_stagger=bool(stagger), ring_hints=bool(hints))
+                                                 rs_stagger=bool(stagger), ring_hints=bool(hints),
+                                                 balanced_chunks=bool(balanced))
         torch.cuda.synchronize()
         dist.barrier()  # every rank's words are zeroed before a peer signals them
         try:

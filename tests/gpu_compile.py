@@ -55,14 +55,16 @@ PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_pt
              **{f"t{p}": I64 for p in range(8)},
              **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "OPEN", "OUT_HEAP", "MOVE", "TAG", "CHUNK",
                                          "DEPTH", "BLOCK", "VEC", "TABLE_ARGS", "STREAM", "KEEP", "TMA_PUSH",
-                                         "TMA_READ")}}
+                                         "TMA_READ", "BALANCED")}}
 PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "OPEN": False, "OUT_HEAP": False,
          "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536, "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "",
-         "KEEP": "", "TMA_PUSH": False, "TMA_READ": False}
+         "KEEP": "", "TMA_PUSH": False, "TMA_READ": False, "BALANCED": False}
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=True)),
+    # equal chunks per program (CollectiveState.balanced_chunks)
+    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, BALANCED=True)),
     # a large pair's pushes and reads by TMA (CollectiveState.tma_push / tma_read)
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, TMA_PUSH=True, TMA_READ=True)),
     # DIRECT pairs (CollectiveState.direct, off by default): by vector stores, and by TMA with one completion wait
@@ -73,9 +75,10 @@ CASES = [
                          "OP": "constexpr", "ACC": "constexpr", "AVG": "constexpr", "IN_PLACE": "constexpr",
                          "CHUNK": "constexpr", "DEPTH": "constexpr", "BLOCK": "constexpr", "PUSH_BLOCK": "constexpr",
                          "VEC": "constexpr", "MAX_W": "constexpr", "TAG": "constexpr", "STAGGER": "constexpr",
-                         "STREAM": "constexpr", "KEEP": "constexpr"},
+                         "STREAM": "constexpr", "KEEP": "constexpr", "BALANCED": "constexpr"},
      {"OP": 0, "ACC": triton.language.float32, "AVG": False, "IN_PLACE": False, "CHUNK": 8192, "DEPTH": 2,
-      "BLOCK": 4096, "PUSH_BLOCK": 8192, "VEC": 8, "MAX_W": 4, "TAG": 50, "STAGGER": True, "STREAM": "", "KEEP": ""}),
+      "BLOCK": 4096, "PUSH_BLOCK": 8192, "VEC": 8, "MAX_W": 4, "TAG": 50, "STAGGER": True, "STREAM": "", "KEEP": "",
+      "BALANCED": False}),
     (lang._put_ring_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "sig_ptr": I64P, "n": "i32", "epoch": I64}, {}),
     (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
     (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),

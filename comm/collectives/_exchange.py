@@ -95,10 +95,16 @@ def _peer_delta(ptr, pe):
 
 
 @jit
-def _chunk_size(count, P, CHUNK: tl.constexpr):
+def _chunk_size(count, P, CHUNK: tl.constexpr, BALANCED: tl.constexpr):
     """Elements per chunk of a `count`-element pair: spread over all P programs when that keeps chunks
-    of at least 2048 elements, at most CHUNK (a ring slot); a multiple of 2048 (so of 16 bytes)."""
+    of at least 2048 elements, at most CHUNK (a ring slot); a multiple of 2048 (so of 16 bytes). BALANCED
+    (CollectiveState.balanced_chunks): where a program's share takes several chunks, the chunks are made equal
+    (a share of 1.7 ring slots: two chunks of 0.85 slot each, not one of 1 and one of 0.7, which left the programs
+    with two whole chunks the last to finish). Both ends of a pair compute it from the writer's count."""
     per_program = (count + P - 1) // P
+    if BALANCED:
+        rounds = tl.maximum((per_program + CHUNK - 1) // CHUNK, 1)
+        per_program = (per_program + rounds - 1) // rounds
     return tl.minimum(tl.maximum((per_program + 2047) // 2048, 1) * 2048, CHUNK)
 
 
@@ -214,7 +220,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
                   OUT_HEAP: tl.constexpr, MOVE: tl.constexpr,
                   TAG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                   VEC: tl.constexpr, TABLE_ARGS: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
-                  TMA_PUSH: tl.constexpr, TMA_READ: tl.constexpr):
+                  TMA_PUSH: tl.constexpr, TMA_READ: tl.constexpr, BALANCED: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
     the input). in, out and heap are moved as MOVE (an integer type of the element's width, so the
     caller passes its tensors as they are). Offsets and counts in elements; with EVEN every pair moves
@@ -230,7 +236,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     (CollectiveState.ring_hints; "" for none). TMA_PUSH / TMA_READ: a writer's pushes / a reader's copies move
     their whole tiles of 256-byte rows by TMA (_copy.move), through descriptors made once per program: the
     pair's input and the ring region (or the reader's output) on dst / this rank's output and what it reads
-    (its own ring region, or src's input in place)."""
+    (its own ring region, or src's input in place). BALANCED: equal chunks per program (`_chunk_size`)."""
     in_ptr = in_ptr.to(tl.pointer_type(MOVE))
     out_ptr = out_ptr.to(tl.pointer_type(MOVE))
     heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
@@ -289,7 +295,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
                              tl.where(direct, direct_cnt, DEPTH * CHUNK))
     else:
         in_desc, push_desc = in_ptr, heap_ptr
-    s_chunk = _chunk_size(s_cnt, P, CHUNK)
+    s_chunk = _chunk_size(s_cnt, P, CHUNK, BALANCED)
     # staged: chunk 0 goes into dst's ring slot 0 before the header, whose signal then also says "chunk 0 ready";
     # DIRECT: the header first (ready = base), my chunks straight into dst's output in the loop below, then
     # ready = base + 1 once they have landed
@@ -305,7 +311,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
                                                          TAG, True)
     # interleave my sends to dst with my receives from src, chunk by chunk (a pair's chunking follows from
     # its writer's count, which both ends know)
-    r_chunk = _chunk_size(offered, P, CHUNK)
+    r_chunk = _chunk_size(offered, P, CHUNK, BALANCED)
     n_recv = _chunks_of(cnt, q, P, r_chunk)
     if OPEN:
         n_recv = tl.where(remote_mode == DIRECT, 0, n_recv)

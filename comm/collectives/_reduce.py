@@ -131,7 +131,7 @@ def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs
 def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                    PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr,
-                   STAGGER: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr):
+                   STAGGER: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr, BALANCED: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the slots k * P + q of every k (P here is the column count the
     host passes, C = W * programs_per_peer; words_ptr is its own word set, ring_off its own ring). As a
@@ -144,7 +144,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     step one after another, each waiting out its own transfer; pushed first, the chunks to different readers
     cross the links together and the first signal waits once for all of them (the later signals find nothing
     left to wait for). The waits between them are on the readers' earlier "done" words, which never depend on
-    this step's signals."""
+    this step's signals. BALANCED: equal chunks per program (_exchange._chunk_size)."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
     q = take_ticket(ticket_ptr, tl.num_programs(0)).to(tl.int32)
     me = tcl.rank()
@@ -154,7 +154,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     base = e << 32
     last = ((e + 1) << 32) - 1
     n64 = n + 0 * e
-    chunk = _chunk_size(n64, P, CHUNK)
+    chunk = _chunk_size(n64, P, CHUNK, BALANCED)
     n_chunks = _chunks_of(n64, q, P, chunk)
     c0 = q.to(tl.int64) * chunk
     for k in range(0, W):  # my header (staged: with my chunk 0, pushed first) into every reader's words

@@ -146,6 +146,11 @@ class CollectiveState:
     # on another machine; on 4 H200s (2026-11-28) it beat the in-place heap exchange by 2-3% (163.7 / 166.9 µs by
     # vector / TMA stores against 169.5) but not staging on ordinary tensors (158.3), and lost at 128 rows
     direct: bool = False
+    # every collective: where a program's share of a pair takes several chunks, chunks of equal size (_exchange.
+    # _chunk_size). Off by default: not measured on a GPU yet. Why: at world 1 a 4096x7168 bf16 all_to_all gives each
+    # of 264 programs 1.7 ring slots of data, so 184 programs move two whole chunks and 80 one, and the kernel ends
+    # with the first group (heap tensors: 36.1 µs of GPU time against ~31 for a copy of the bytes, 2026-11-28)
+    balanced_chunks: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
     # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
@@ -176,9 +181,9 @@ class CollectiveState:
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
                ring_hints: bool = False, tma_push: bool = False, tma_read: bool = False,
-               direct: bool = False) -> "CollectiveState":
-        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read, direct: the
-        tuning knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs). Collective: every rank passes the
+               direct: bool = False, balanced_chunks: bool = False) -> "CollectiveState":
+        """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read, direct,
+        balanced_chunks: the tuning knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs). Collective: every rank passes the
         same knobs."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
@@ -214,6 +219,7 @@ class CollectiveState:
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
                    rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read, direct=direct,
+                   balanced_chunks=balanced_chunks,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kr._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
@@ -276,7 +282,7 @@ class CollectiveState:
             chunk = (self.chunk_bytes if kernel == "pairs" else rs_bytes) // elem
             block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
-                          num_warps=self.num_warps)
+                          BALANCED=self.balanced_chunks, num_warps=self.num_warps)
             if kernel == "pairs":
                 even, gather, in_place, out_heap, table_args, push, read = key[3:]
                 config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, OPEN=self.direct, OUT_HEAP=out_heap,
