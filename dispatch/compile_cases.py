@@ -30,7 +30,7 @@ def gpu_compile_cases() -> list:
         _case(nm._route_kernel, {"topk_ptr": _P64, "counts_ptr": _P32, "totals_ptr": _P64, "minmax_ptr": _P64,
                                  "counter_ptr": _P32, "notify_ptr": _P64, "nsig_ptr": _P64, "plan_ptr": _P64,
                                  "info_ptr": _P64, "ends_ptr": _P32},
-              dict(K=8, BT=16, BLOCK_P=128, BLOCK_E=512, BLOCK_B=16, BLOCK_W=8, BLOCK_EL=32, ROW_ENDS=True)),
+              dict(K=8, BT=16, BLOCK_P=128, BLOCK_E=512, BLOCK_W=8, BLOCK_EL=32, ROW_ENDS=True)),
         _case(nm._send_kernel, send, dict(send_consts, TMA_PIECES=0)),
         _case(nm._send_kernel, send, dict(send_consts, HAS_X2=False, TMA_PIECES=64)),  # NormalConfig.send_tma
         _case(nm._expand_kernel, {"rows_ptr": _BF16, "rows2_ptr": _F32, "out_ptr": _BF16, "out2_ptr": _F32,

@@ -3,12 +3,13 @@
 W ranks, T tokens here, K = top-k, E experts, E_l = E / W local ones, M = max tokens per rank. A
 dispatch is three launches and one host read:
 
-1. route (programs: blocks of BT tokens): histogram of each block's pairs by expert -> counts[b, :].
-   The last program sums them, writes this rank's token count and its pair counts for rank r's experts
-   into row [me] of r's notify buffer (SET notify_sig[me] = seq on r), waits for every rank's row and
-   writes the receive plan: first received token of each source (N tokens in all), first output row of
-   each (local expert, source), tokens per expert, R = rows to receive. Worked example, W = 1, E = 2:
-   topk = [[1, 0], [1, -1]] -> counts [1, 2]; rows of expert 0: (t0, k1); of expert 1: (t0, k0), (t1, k0).
+1. route (programs: blocks of BT tokens): histogram of each block's pairs by expert -> counts[b, :], also
+   added (atomics) into running sums per expert. The last program takes the sums (and clears them), writes
+   this rank's token count and its pair counts for rank r's experts into row [me] of r's notify buffer (SET
+   notify_sig[me] = seq on r), waits for every rank's row and writes the receive plan: first received token
+   of each source (N tokens in all), first output row of each (local expert, source), tokens per expert,
+   R = rows to receive. Worked example, W = 1, E = 2: topk = [[1, 0], [1, -1]] -> counts [1, 2]; rows of
+   expert 0: (t0, k1); of expert 1: (t0, k0), (t1, k0).
 2. send (the same blocks): the slot of each pair (its index among this rank's pairs for that expert:
    earlier blocks' counts + its rank inside the block), then for every rank r: route/slot/weight of each
    token (-1 = no local expert) and, ONCE per token that has an expert on r, its row into r's
@@ -96,16 +97,14 @@ class NormalConfig:
 
 # ---- kernels ---------------------------------------------------------------------------------------
 @triton.jit
-def _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, ends_ptr, T, NB, seq, E, E_L,
-            W, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr,
-            ROW_ENDS: tl.constexpr):
+def _notify(totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, ends_ptr, T, seq, E, E_L,
+            W, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr, ROW_ENDS: tl.constexpr):
     me = tcl.rank()
     bins = tl.arange(0, BLOCK_E)
-    tot = tl.zeros((BLOCK_E,), tl.int64)
-    for b0 in range(0, NB, BLOCK_B):
-        rb = b0 + tl.arange(0, BLOCK_B)
-        tile = tl.load(counts_ptr + rb[:, None] * E + bins[None, :], mask=(rb < NB)[:, None] & (bins < E)[None, :], other=0)
-        tot += tl.sum(tile, axis=0).to(tl.int64)
+    # the pairs per expert the route programs added up (totals[E:]), taken and cleared for the next call: one load,
+    # where summing the blocks' counts here took a loop of dependent loads in this one program
+    tot = tl.load(totals_ptr + E + bins, mask=bins < E, other=0)
+    tl.store(totals_ptr + E + bins, tl.zeros((BLOCK_E,), tl.int64), mask=bins < E)
     tl.store(totals_ptr + bins, tot, mask=bins < E)
     tl.store(info_ptr + 2, tl.atomic_xchg(minmax_ptr, _BIG))
     tl.store(info_ptr + 3, tl.atomic_xchg(minmax_ptr + 1, -_BIG))
@@ -141,8 +140,9 @@ def _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, 
 @tilecomm.jit(do_not_specialize=["T", "seq"])
 def _route_kernel(topk_ptr, counts_ptr, totals_ptr, minmax_ptr, counter_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr,
                   ends_ptr, T, seq, E, E_L, W, K: tl.constexpr, BT: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr,
-                  ROW_ENDS: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr, ROW_ENDS: tl.constexpr):
+    """totals [2E] int64: the per-expert totals the last program writes, then the programs' running sums (zero
+    between calls: the last program clears them)."""
     b = tl.program_id(0)
     p = tl.arange(0, BLOCK_P)
     flat = b.to(tl.int64) * (BT * K) + p
@@ -152,10 +152,13 @@ def _route_kernel(topk_ptr, counts_ptr, totals_ptr, minmax_ptr, counter_ptr, not
     tl.atomic_max(minmax_ptr + 1, tl.max(tl.where(ok, ids, -_BIG), axis=0))
     valid = ok & (ids >= 0) & (ids < E)
     bins = tl.arange(0, BLOCK_E)
-    tl.store(counts_ptr + b * E + bins, tl.histogram(tl.where(valid, ids, E).to(tl.int32), BLOCK_E), mask=bins < E)
+    hist = tl.histogram(tl.where(valid, ids, E).to(tl.int32), BLOCK_E)
+    tl.store(counts_ptr + b * E + bins, hist, mask=bins < E)
+    # (relaxed: last_program's barrier and release order them before the last program reads the sums)
+    tl.atomic_add(totals_ptr + E + bins, hist.to(tl.int64), mask=(bins < E) & (hist > 0), sem="relaxed", scope="gpu")
     if last_program(counter_ptr):
-        _notify(counts_ptr, totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, ends_ptr, T,
-                tl.num_programs(0), seq, E, E_L, W, BLOCK_E, BLOCK_B, BLOCK_W, BLOCK_EL, ROW_ENDS)
+        _notify(totals_ptr, minmax_ptr, notify_ptr, nsig_ptr, plan_ptr, info_ptr, ends_ptr, T, seq, E, E_L, W, BLOCK_E,
+                BLOCK_W, BLOCK_EL, ROW_ENDS)
 
 
 @triton.jit

@@ -63,7 +63,7 @@ class FusedEngine:
         # route/send tokens per program (the interpreter on CPU ranks: fewer, larger programs)
         self.bt = max(1, min(16 if self.cuda else 64, self.cfg.pairs_per_program // _P2(topk)))
         self._counts = torch.zeros((cdiv(max_tokens, self.bt), num_experts), dtype=torch.int32, device=dev)
-        self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+        self._totals = torch.zeros(2 * num_experts, dtype=torch.int64, device=dev)  # the route's (_route_kernel)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
         counters = torch.zeros(3, dtype=torch.int32, device=dev)
         self._ctr = [counters[i:i + 1] for i in range(3)]
@@ -131,7 +131,7 @@ class FusedEngine:
             route = self._bound[("route", topk.dtype)] = self._route.bind(
                 topk.dtype, [topk_arg, self._counts, self._totals, self._minmax, self._ctr[_CTR_ROUTE], self.state.notify,
                              self._sig[_SIG_NOTIFY], plan, self._info, plan, T, self.seq[0], E, E_L, W], (0, 7, 9, 10, 11),
-                K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16, BLOCK_W=_P2(W),
+                K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_W=_P2(W),
                 BLOCK_EL=_P2(E_L), ROW_ENDS=False, num_warps=cfg.num_warps)
         route.launch((max(1, cdiv(T, self.bt)),), topk_arg, plan, plan, T, self.seq[0])
         if self.cuda:

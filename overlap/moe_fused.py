@@ -134,7 +134,7 @@ class FusedMoEWorkspace:
         self.bt = max(1, min(16 if dev.type == "cuda" else 64, (128 if dev.type == "cuda" else 256) // _P2(topk)))
         self._counts = torch.zeros((cdiv(max_tokens_per_rank, self.bt), num_experts), dtype=torch.int32,
                                    device=dev)
-        self._totals = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+        self._totals = torch.zeros(2 * num_experts, dtype=torch.int64, device=dev)  # the route's (_route_kernel)
         self._minmax = torch.tensor([_BIG.value, -_BIG.value], dtype=torch.int64, device=dev)
         self._launches = torch.zeros(2, dtype=torch.int32, device=dev)  # last-program counters: route, reduce
         # scatter: items done per row tile (at most W * M * K rows received), reset by the kernel after each launch
@@ -189,7 +189,7 @@ class FusedMoEWorkspace:
             (max(1, cdiv(topk.shape[0], self.bt)),),
             self._ptr(topk, topk.dtype), self._counts, self._totals, self._minmax, self._launches[0:1],
             self.state.notify[parity], self.state.notify_sig[parity], plan, self._info, offs, topk.shape[0],
-            self.seq[0], E, E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1), BLOCK_B=16,
+            self.seq[0], E, E_L, W, K=K, BT=self.bt, BLOCK_P=_P2(self.bt * K), BLOCK_E=_P2(E + 1),
             BLOCK_W=_P2(W), BLOCK_EL=_P2(E_L), ROW_ENDS=True, num_warps=4)
         if self._event is not None:
             self._event.record()
