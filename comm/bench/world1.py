@@ -14,7 +14,9 @@ count, host overhead, host syncs, the parallelism of the copy loops. Each row pr
 
 Rows: all_to_all_single 4096×7168 and 128×7168 bf16 (ordinary tensors, and 4096×7168 with input and
 output from tilecomm.empty), all_gather_into_tensor / reduce_scatter_tensor 8192×8192 bf16 (ordinary and
-tilecomm.empty), tcl.put / tcl.get from a grid of programs (64 and 128 MiB), normal-mode dispatch / combine
+tilecomm.empty), tcl.put / tcl.get from a grid of programs (64 and 128 MiB; launched by Triton's `kernel[grid]`,
+and again through tilecomm.jit.CachedLaunch, the compiled kernel's launcher tilecomm's own calls use: the same
+kernel with less host time per launch), normal-mode dispatch / combine
 (4096 tokens × 7168, top-8 of 256 experts) and low-latency dispatch / combine (128 tokens). On CPU
 (--backend cpu) every row runs at toy sizes: a smoke test, not a measurement.
 """
@@ -28,6 +30,7 @@ import triton.language as tl
 
 import tilecomm
 import tilecomm.language as tcl
+from tilecomm.jit import CachedLaunch
 
 from . import dispatch as dispatch_bench
 from . import measure
@@ -71,7 +74,7 @@ class Table:
                    gpu_us=gpu_us, kernels=kernels, syncs=measure.host_syncs(fn, g),
                    graph=measure.graph_replays(fn, out, g) if (check_graph and out is not None) else None)
         self.rows.append(row)
-        print(f"{name:46s} {us:9.1f} {floor:9.1f} {row['ratio']:6.2f} {row['host_us']:7.1f} {gpu_us:8.1f} {kernels:4d} "
+        print(f"{name:52s} {us:9.1f} {floor:9.1f} {row['ratio']:6.2f} {row['host_us']:7.1f} {gpu_us:8.1f} {kernels:4d} "
               f"{row['syncs']:3d} {row['graph']!s:>5}", flush=True)
 
 
@@ -111,13 +114,15 @@ def _collective_rows(t: Table, s: dict, dtype: torch.dtype, dev: torch.device) -
         src.copy_(torch.randn(n, device=dev))
         floor_out = torch.empty_like(src)
         grid = (n // PUT_SLICE,)
-        t.add(f"tcl.put grid of {grid[0]} programs, {n * 4 >> 20} MiB",
-              lambda: _put_grid_kernel[grid](dst, src, SLICE=PUT_SLICE), lambda: floor_out.copy_(src))
-        assert torch.equal(dst, src)
-        dst.zero_()
-        t.add(f"tcl.get grid of {grid[0]} programs, {n * 4 >> 20} MiB",
-              lambda: _get_grid_kernel[grid](dst, src, SLICE=PUT_SLICE), lambda: floor_out.copy_(src))
-        assert torch.equal(dst, src)
+        for kernel, name in ((_put_grid_kernel, "put"), (_get_grid_kernel, "get")):
+            cached = CachedLaunch(kernel)
+            for how, call in (("", lambda kernel=kernel: kernel[grid](dst, src, SLICE=PUT_SLICE)),
+                              (", CachedLaunch", lambda cached=cached: cached.launch_keyed(grid, dst, src,
+                                                                                           SLICE=PUT_SLICE))):
+                dst.zero_()
+                t.add(f"tcl.{name} grid of {grid[0]} programs, {n * 4 >> 20} MiB{how}", call,
+                      lambda: floor_out.copy_(src))
+                assert torch.equal(dst, src), f"tcl.{name}{how}"
         tilecomm.free(dst)
         tilecomm.free(src)
 
@@ -201,14 +206,12 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     torch.manual_seed(0)
     print(f"world 1 on {torch.cuda.get_device_name() if on_gpu else 'CPU'}; µs per call back to back")
-    print(f"{'op':46s} {'µs/call':>9s} {'floor':>9s} {'ratio':>6s} {'host µs':>7s} {'GPU µs':>8s} {'krn':>4s} {'syn':>3s} "
+    print(f"{'op':52s} {'µs/call':>9s} {'floor':>9s} {'ratio':>6s} {'host µs':>7s} {'GPU µs':>8s} {'krn':>4s} {'syn':>3s} "
           f"{'graph':>5s}")
     t = Table(on_gpu, iters)
     _collective_rows(t, s, dtype, ctx.device)
     _direct_rows(t, s, dtype, tma=on_gpu and torch.cuda.get_device_capability(ctx.device)[0] >= 9)
     if on_gpu:
-        from tilecomm.jit import CachedLaunch
-
         CachedLaunch.enabled = False  # Triton's ordinary launch path, for comparison
         x = torch.randn(s["small"], s["hidden"], device=ctx.device).to(dtype)
         out, floor_out = torch.empty_like(x), torch.empty_like(x)
@@ -222,7 +225,7 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
     try:
         for row in dispatch_bench.self_rows(iters):  # checked against torch first, then timed like the rows above
             t.rows.append(row)
-            print(f"{row['op']:46s} {row['us']:9.1f} {row['floor_us']:9.1f} {row['ratio']:6.2f} {row['host_us']:7.1f} "
+            print(f"{row['op']:52s} {row['us']:9.1f} {row['floor_us']:9.1f} {row['ratio']:6.2f} {row['host_us']:7.1f} "
                   f"{row['gpu_us']:8.1f} {row['kernels']:4d} {row['syncs']:3d} {row.get('graph')!s:>5}", flush=True)
     except Exception as err:  # keep the collective rows of a run whose dispatch path failed
         print(f"dispatch rows failed: {type(err).__name__}: {err}", flush=True)
