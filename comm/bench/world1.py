@@ -38,7 +38,10 @@ from . import measure
 _GPU = dict(rows=4096, small=128, hidden=7168, square=8192, tokens=4096, ll_tokens=128, experts=256, topk=8,
             put_mib=(64, 128))
 _CPU = dict(rows=64, small=8, hidden=128, square=128, tokens=64, ll_tokens=8, experts=8, topk=2, put_mib=(1,))
-PUT_SLICE = 1 << 16  # elements per program in the put/get rows
+# elements per program in the put/get rows: 32 KiB of float32 (tests/put_probe.py, one H200, 2026-11-28, through
+# CachedLaunch: 1.05-1.07x a copy per call with 16-32 KiB per program, 1.07-1.11x with 64 KiB, 1.10-1.12x with 256 KiB,
+# 1.25-1.76x with 1 MiB; a plain Triton copy loop of the same grid is no faster than tcl.put)
+PUT_SLICE = 1 << 13
 
 
 @tilecomm.jit
