@@ -147,9 +147,10 @@ class CollectiveState:
     # vector / TMA stores against 169.5) but not staging on ordinary tensors (158.3), and lost at 128 rows
     direct: bool = False
     # every collective: where a program's share of a pair takes several chunks, chunks of equal size (_exchange.
-    # _chunk_size). Off by default: not measured on a GPU yet. Why: at world 1 a 4096x7168 bf16 all_to_all gives each
-    # of 264 programs 1.7 ring slots of data, so 184 programs move two whole chunks and 80 one, and the kernel ends
-    # with the first group (heap tensors: 36.1 µs of GPU time against ~31 for a copy of the bytes, 2026-11-28)
+    # _chunk_size). Why: at world 1 a 4096x7168 bf16 all_to_all gives each of 264 programs 1.7 ring slots of data, so
+    # 184 programs move two whole chunks and 80 one, and the kernel ends with the first group. Off by default: at
+    # world 1 (one H200, 2026-11-28 from 09:55 UTC, tests/collective_sweep.py in turn with the default) it gained 1-4%
+    # on that all_to_all and nothing measurable elsewhere; not timed on several GPUs yet
     balanced_chunks: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
