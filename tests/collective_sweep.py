@@ -90,6 +90,18 @@ def _slowest(us: float) -> float:
     return t.item()
 
 
+def state_for(ctx, config: str, sms: int) -> CollectiveState:
+    """A CollectiveState made with the knobs of one --configs entry (see the docstring), with a workspace that holds
+    two rings of its chunk (collective)."""
+    per_sm, chunk_k, block_k, *rest = [int(v) for v in config.split("/")]
+    depth, stagger, hints, balanced = (rest + [DEPTH, 1, 0, 0][len(rest):])[:4]
+    world = ctx.world_size
+    slots = world * max(1, per_sm * sms // world)
+    workspace = 2 * slots * depth * (chunk_k << 10)
+    return CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth, rs_stagger=bool(stagger),
+                                  ring_hints=bool(hints), balanced_chunks=bool(balanced))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
@@ -119,13 +131,7 @@ def main():
     default = ctx.collectives
     sms = torch.cuda.get_device_properties(local).multi_processor_count
     for config in args.configs.split(","):
-        per_sm, chunk_k, block_k, *rest = [int(v) for v in config.split("/")]
-        depth, stagger, hints, balanced = (rest + [DEPTH, 1, 0, 0][len(rest):])[:4]
-        slots = world * max(1, per_sm * sms // world)
-        workspace = 2 * slots * depth * (chunk_k << 10)
-        ctx.collectives = CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth,
-                                                 rs_stagger=bool(stagger), ring_hints=bool(hints),
-                                                 balanced_chunks=bool(balanced))
+        ctx.collectives = state_for(ctx, config, sms)
         torch.cuda.synchronize()
         dist.barrier()  # every rank's words are zeroed before a peer signals them
         try:
