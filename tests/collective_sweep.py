@@ -4,7 +4,8 @@
 
 Each config is programs per SM / ring chunk KiB / load-store step KiB [/ ring depth [/ 0: reduce_scatter
 unstaggered (default 1, CollectiveState.rs_stagger) [/ 1: L2 eviction hints on the staged pairs (default 0,
-CollectiveState.ring_hints) [/ 1: equal chunks per program (default 0, CollectiveState.balanced_chunks)]]]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
+CollectiveState.ring_hints) [/ 1: equal chunks per program (default 0, CollectiveState.balanced_chunks) [/ 1: ring chunks
+dropped from L2 once read (default 0, CollectiveState.ring_discard)]]]]]: the runtime's CollectiveState is replaced by one made with those knobs (and a workspace that
 holds two rings of that chunk), every case is checked against NCCL's result once, then timed (µs per call, 50
 calls back to back, the slowest rank's). --heap adds each case again with input and output on the symmetric heap
 (tilecomm.empty: read in place by the peers, no staging ring).
@@ -94,12 +95,12 @@ def state_for(ctx, config: str, sms: int) -> CollectiveState:
     """A CollectiveState made with the knobs of one --configs entry (see the docstring), with a workspace that holds
     two rings of its chunk (collective)."""
     per_sm, chunk_k, block_k, *rest = [int(v) for v in config.split("/")]
-    depth, stagger, hints, balanced = (rest + [DEPTH, 1, 0, 0][len(rest):])[:4]
+    depth, stagger, hints, balanced, discard = (rest + [DEPTH, 1, 0, 0, 0][len(rest):])[:5]
     world = ctx.world_size
     slots = world * max(1, per_sm * sms // world)
     workspace = 2 * slots * depth * (chunk_k << 10)
     return CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth, rs_stagger=bool(stagger),
-                                  ring_hints=bool(hints), balanced_chunks=bool(balanced))
+                                  ring_hints=bool(hints), balanced_chunks=bool(balanced), ring_discard=bool(discard))
 
 
 def main():

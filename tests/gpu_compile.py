@@ -39,7 +39,7 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
-LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ", "OWN_IN_PLACE")
+LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ", "OWN_IN_PLACE", "DISCARD")
 # gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
@@ -55,30 +55,31 @@ PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_pt
              **{f"t{p}": I64 for p in range(8)},
              **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "OPEN", "OUT_HEAP", "MOVE", "TAG", "CHUNK",
                                          "DEPTH", "BLOCK", "VEC", "TABLE_ARGS", "STREAM", "KEEP", "TMA_PUSH",
-                                         "TMA_READ", "BALANCED")}}
+                                         "TMA_READ", "BALANCED", "DISCARD")}}
 PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "OPEN": False, "OUT_HEAP": False,
          "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536, "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "",
-         "KEEP": "", "TMA_PUSH": False, "TMA_READ": False, "BALANCED": False}
+         "KEEP": "", "TMA_PUSH": False, "TMA_READ": False, "BALANCED": False, "DISCARD": False}
+REDUCE = {"OP": 0, "ACC": triton.language.float32, "AVG": False, "IN_PLACE": False, "CHUNK": 8192, "DEPTH": 2,
+          "BLOCK": 4096, "PUSH_BLOCK": 8192, "VEC": 8, "MAX_W": 4, "TAG": 50, "STAGGER": True, "STREAM": "", "KEEP": "",
+          "BALANCED": False, "DISCARD": False}
+REDUCE_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P, "err_ptr": I64P,
+              "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32", **{k: "constexpr" for k in REDUCE}}
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=True)),
     # equal chunks per program (CollectiveState.balanced_chunks)
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, BALANCED=True)),
+    # staged ring chunks dropped from L2 once read (CollectiveState.ring_discard), with the ring's L2 hints
+    (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, DISCARD=True, STREAM="evict_first",
+                                       KEEP="evict_last")),
     # a large pair's pushes and reads by TMA (CollectiveState.tma_push / tma_read)
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, TMA_PUSH=True, TMA_READ=True)),
     # DIRECT pairs (CollectiveState.direct, off by default): by vector stores, and by TMA with one completion wait
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, OPEN=True, OUT_HEAP=True, TABLE_ARGS=True)),
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, OPEN=True, OUT_HEAP=True, TMA_PUSH=True)),
-    (er._reduce_kernel, {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P,
-                         "err_ptr": I64P, "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
-                         "OP": "constexpr", "ACC": "constexpr", "AVG": "constexpr", "IN_PLACE": "constexpr",
-                         "CHUNK": "constexpr", "DEPTH": "constexpr", "BLOCK": "constexpr", "PUSH_BLOCK": "constexpr",
-                         "VEC": "constexpr", "MAX_W": "constexpr", "TAG": "constexpr", "STAGGER": "constexpr",
-                         "STREAM": "constexpr", "KEEP": "constexpr", "BALANCED": "constexpr"},
-     {"OP": 0, "ACC": triton.language.float32, "AVG": False, "IN_PLACE": False, "CHUNK": 8192, "DEPTH": 2,
-      "BLOCK": 4096, "PUSH_BLOCK": 8192, "VEC": 8, "MAX_W": 4, "TAG": 50, "STAGGER": True, "STREAM": "", "KEEP": "",
-      "BALANCED": False}),
+    (er._reduce_kernel, REDUCE_SIG, REDUCE),
+    (er._reduce_kernel, REDUCE_SIG, dict(REDUCE, DISCARD=True)),  # CollectiveState.ring_discard
     (lang._put_ring_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "sig_ptr": I64P, "n": "i32", "epoch": I64}, {}),
     (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
     (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),
@@ -186,6 +187,8 @@ def main() -> None:
             "proxy_fences": ptx.count("fence.proxy.async.global"), "vector_16B": "ld.global.cg.v4" in ptx or "ld.global.v4" in ptx,
             # abi.take_ticket: a relaxed GPU-scope atomic add hands out the program index
             "ticket": "atom.global.gpu.relaxed.add" in ptx,
+            # tcl.discard: L2 lines dropped unwritten; L2 eviction policies (CollectiveState.ring_hints)
+            "discard_l2": "discard.global.L2" in ptx, "evict_last": "evict_last" in ptx,
             # programmatic dependent launch: a primary lets its dependent start, a dependent waits for its primary
             "pdl_trigger": "griddepcontrol.launch_dependents" in ptx, "pdl_wait": "griddepcontrol.wait" in ptx,
         }))

@@ -59,8 +59,9 @@
 #          matmul of the same product, ag_gemm's small bar shape at TP = PROBE_TP (default 4), one GPU
 #          (tests/copy_push_probe.py, PROBE_ONCE) -> $OUT/ag_*.ncu-rep
 #   collncu  ncu of the staged (ordinary-tensor) all_gather / reduce_scatter 8192^2 at world 1 (tests/staged_once.py; one
-#          GPU), the default CollectiveState and each of COLL_NCU_CONFIGS (collective_sweep's format; default 2/32/32/2/1/1:
-#          a 16.5 MiB ring with L2 hints): DRAM / L2 throughput and hit rates, warp stalls -> $OUT/coll_*.ncu-rep
+#          GPU), the default CollectiveState and each of COLL_NCU_CONFIGS (collective_sweep's format; default: 2/32/32/2/1/1,
+#          a 16.5 MiB ring with L2 hints; 2/128/32/2/1/0/0/1, the default ring with its read chunks dropped from L2,
+#          CollectiveState.ring_discard; both): DRAM / L2 throughput and hit rates, warp stalls -> $OUT/coll_*.ncu-rep
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -166,7 +167,7 @@ fi
 if has collncu; then  # where a staged collective's two copies' time goes: HBM traffic or the per-chunk handshake
   for op in all_gather reduce_scatter; do
     k=$([ $op = all_gather ] && echo _pairs_kernel || echo _reduce_kernel)
-    for config in "" ${COLL_NCU_CONFIGS-2/32/32/2/1/1}; do
+    for config in "" ${COLL_NCU_CONFIGS-2/32/32/2/1/1 2/128/32/2/1/0/0/1 2/32/32/2/1/1/0/1}; do
       name="coll_${op}_$(echo "${config:-default}" | tr / -)"
       timeout "${COLL_NCU_TIMEOUT:-150}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy -k "regex:$k" --launch-skip 2 --launch-count 1 \

@@ -53,7 +53,7 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
-def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=False, balanced=False):
+def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=False, balanced=False, discard=False):
     """Every collective, several calls of fresh sizes, on a CollectiveState made with other tuning knobs, against
     the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
     ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
@@ -64,7 +64,9 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     (tma_min_bytes 0), pairs of whole tiles and a rest (96-byte rows); also an all_to_all read in place from the
     heap, and, with `direct` on, one into heap outputs (DIRECT: the writers' TMA stores land in the readers'
     outputs, one completion wait per program). balanced: equal chunks per program (a 32 KiB ring chunk, so that the
-    first call's 12000-element pairs go as two chunks of 6144 and 5856 elements, not 8192 and 3808)."""
+    first call's 12000-element pairs go as two chunks of 6144 and 5856 elements, not 8192 and 3808). discard: readers
+    drop each ring chunk once read (CollectiveState.ring_discard; on CPU ranks tcl.discard poisons the chunk, so a
+    chunk dropped before it was read, or a ring slot rewritten before its drop, gives wrong results)."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -75,7 +77,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
     state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
                                    ring_hints=ring_hints, tma_push=tma, tma_read=tma, direct=tma,
-                                   balanced_chunks=balanced)
+                                   balanced_chunks=balanced, ring_discard=discard)
     state.tma_min_bytes = 0
     default, ctx.collectives = ctx.collectives, state
     on_heap = tilecomm.empty((world * (500 + 37 * 2), 24), torch.float32) if tma else None
@@ -124,8 +126,9 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("knobs", [(3, False), (2, True), (2, True, True), (2, True, False, True),
-                                   (2, True, False, False, True)],
-                         ids=["three_programs_per_sm_unstaggered", "staggered", "ring_hints", "tma", "balanced_chunks"])
+                                   (2, True, False, False, True), (2, True, True, False, False, True)],
+                         ids=["three_programs_per_sm_unstaggered", "staggered", "ring_hints", "tma", "balanced_chunks",
+                              "ring_discard"])
 def test_collectives_under_other_knobs(ranks, world, knobs):
     ranks(world).run(under_other_knobs, 41, *knobs)
 

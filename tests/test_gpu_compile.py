@@ -42,7 +42,8 @@ def _two_programs_per_sm(rows: dict) -> None:
     registers and 136 bytes of local memory); their program index is a ticket (abi.take_ticket), not the block
     index (3 programs per SM hung on 4 H200s with block indices)."""
     for kernel in ("_exchange._pairs_kernel", "_exchange._pairs_kernel+TMA_PUSH+TMA_READ", "_reduce._reduce_kernel",
-                   "_exchange._pairs_kernel+OUT_HEAP", "_exchange._pairs_kernel+OUT_HEAP+TMA_PUSH"):
+                   "_exchange._pairs_kernel+OUT_HEAP", "_exchange._pairs_kernel+OUT_HEAP+TMA_PUSH",
+                   "_exchange._pairs_kernel+DISCARD", "_reduce._reduce_kernel+DISCARD"):
         # (the TMA variant keeps four descriptors' addresses live through its pipelined tile loops: Triton 3.6
         # spills 32 bytes, 24 under the nvshmem transport; it is off by default, CollectiveState.tma_push / tma_read)
         spill = 32 if "TMA" in kernel else 0
@@ -54,6 +55,11 @@ def _two_programs_per_sm(rows: dict) -> None:
     assert tma["tma"] and tma["bulk_wait"] and 2 * tma["shared_bytes"] <= 227 << 10, tma
     assert tma["proxy_fences"] >= 8, tma  # before and after the tiles of each of the four moves (_copy.move)
     assert not rows["_exchange._pairs_kernel"]["tma"]
+    # CollectiveState.ring_discard: the ring's read chunks leave L2 unwritten (tcl.discard), here with the L2 hints
+    for kernel in ("_exchange._pairs_kernel+DISCARD", "_reduce._reduce_kernel+DISCARD"):
+        assert rows[kernel]["discard_l2"], rows[kernel]
+    assert rows["_exchange._pairs_kernel+DISCARD"]["evict_last"]
+    assert not rows["_exchange._pairs_kernel"]["discard_l2"] and not rows["_reduce._reduce_kernel"]["discard_l2"]
 
 
 def test_kernels_compile_for_sm90_nvlink_transport(compiled):

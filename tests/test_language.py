@@ -235,6 +235,45 @@ def test_wait_without_signal_times_out(ranks):
     ranks(2).run(wait_times_out)
 
 
+@tilecomm.jit
+def _read_then_discard_kernel(buf_ptr, out_ptr, start, n, BLOCK: tl.constexpr):
+    """out = buf[start : start + n], then that range dropped (tcl.discard)."""
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(out_ptr + offs, tl.load(buf_ptr + start + offs, mask=mask), mask=mask)
+    tcl.discard(buf_ptr + start, n)
+
+
+def read_then_discard(programs):
+    """tcl.discard after the program's reads of the range: they got the data (GPU: its barrier comes before any
+    line is dropped), nothing outside the range changed (an unaligned range: the GPU drops only the whole lines
+    inside it), and on CPU ranks the range holds the poison value."""
+    from tilecomm.language._cpu import DISCARD_POISON
+
+    n, size = 5000, 8192
+    buf = tilecomm.empty((programs, size), torch.float32)
+    buf.copy_(torch.randn(programs, size, device=dev()))
+    before = buf.clone()
+    out = torch.full((programs, n), -1.0, device=dev())
+    for p in range(programs):  # each program its own row, from an odd element on
+        _read_then_discard_kernel[(1,)](buf[p], out[p], 37 + p, n, BLOCK=1024)
+    for p in range(programs):
+        start = 37 + p
+        assert torch.equal(out[p], before[p, start:start + n]), p
+        outside = torch.ones(size, dtype=torch.bool, device=dev())
+        outside[start:start + n] = False
+        assert torch.equal(buf[p][outside], before[p][outside]), p
+        if dev().type == "cpu":
+            assert bool((buf[p, start:start + n] == DISCARD_POISON).all()), p
+    tilecomm.free(buf)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_discard_keeps_what_was_read_and_what_lies_outside(ranks, world):
+    ranks(world).run(read_then_discard, 3)
+
+
 def test_kernel_runs_on_cpu_without_runtime():
     """A plain @tilecomm.jit kernel (no primitives) runs on CPU tensors with no init, no TRITON_INTERPRET."""
 

@@ -220,7 +220,7 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
                   OUT_HEAP: tl.constexpr, MOVE: tl.constexpr,
                   TAG: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                   VEC: tl.constexpr, TABLE_ARGS: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
-                  TMA_PUSH: tl.constexpr, TMA_READ: tl.constexpr, BALANCED: tl.constexpr):
+                  TMA_PUSH: tl.constexpr, TMA_READ: tl.constexpr, BALANCED: tl.constexpr, DISCARD: tl.constexpr):
     """all_to_all_single (GATHER False) and all_gather_into_tensor (GATHER True: every peer gets all of
     the input). in, out and heap are moved as MOVE (an integer type of the element's width, so the
     caller passes its tensors as they are). Offsets and counts in elements; with EVEN every pair moves
@@ -236,7 +236,9 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
     (CollectiveState.ring_hints; "" for none). TMA_PUSH / TMA_READ: a writer's pushes / a reader's copies move
     their whole tiles of 256-byte rows by TMA (_copy.move), through descriptors made once per program: the
     pair's input and the ring region (or the reader's output) on dst / this rank's output and what it reads
-    (its own ring region, or src's input in place). BALANCED: equal chunks per program (`_chunk_size`)."""
+    (its own ring region, or src's input in place). BALANCED: equal chunks per program (`_chunk_size`). DISCARD
+    (CollectiveState.ring_discard): a reader drops each ring chunk's L2 lines once it has copied them out
+    (tcl.discard), so that the ring never costs a write-back to memory."""
     in_ptr = in_ptr.to(tl.pointer_type(MOVE))
     out_ptr = out_ptr.to(tl.pointer_type(MOVE))
     heap_ptr = heap_ptr.to(tl.pointer_type(MOVE))
@@ -341,6 +343,8 @@ def _pairs_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, table_ptr, err_ptr, ring
                 tcl.wait(ready_ptr + pid, base + i + 1, tcl.CMP_GE)  # its barrier keeps the loads after
                 move(out_desc, out_ptr, r_off + c, c // ROW, read_desc, heap_ptr, slot, (i % DEPTH) * SLOT_ROWS,
                      tl.minimum(r_chunk, cnt - c), BLOCK, VEC, KEEP, STREAM, TMA_READ, True)
+                if DISCARD:  # (before the done signal below or after the loop, whose release orders it)
+                    tcl.discard(heap_ptr + slot, tl.minimum(r_chunk, cnt - c))
                 if i < n_recv - 1:  # the last chunk's "done" is the final signal below
                     tcl.signal(done_ptr + pid, base + i + 1, src, tcl.SIGNAL_SET)
             else:

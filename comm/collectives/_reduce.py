@@ -105,9 +105,10 @@ def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64
 def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i, n_chunks, chunk,
                  n64, base, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, CHUNK: tl.constexpr,
                  DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, STREAM: tl.constexpr,
-                 KEEP: tl.constexpr):
+                 KEEP: tl.constexpr, DISCARD: tl.constexpr):
     """reduce_scatter, reader: output chunk i of column q = op over the writers' chunk i (staged writers' from my
-    ring once they signal it, in-place writers' from their tensors), then tell the staged writers it is done."""
+    ring once they signal it, in-place writers' from their tensors), then tell the staged writers it is done.
+    DISCARD: the staged writers' chunks' L2 lines are dropped first, unwritten (tcl.discard)."""
     c = (q + i * P).to(tl.int64) * chunk
     length = tl.minimum(chunk, n64 - c)
     for p in range(0, W):  # staged writers: their chunk i is in my ring
@@ -121,6 +122,10 @@ def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs
     if full < length:
         _reduce_span(out_ptr, heap_ptr, src_offs, ps, W, c, full, length, True, OP, ACC, AVG, BLOCK, VEC, STREAM,
                      KEEP)
+    if DISCARD:  # (before the done signals, whose release orders them)
+        for p in range(0, W):
+            if _pick(in_place, ps, p) == 0:
+                tcl.discard(heap_ptr + _pick(src_offs, ps, p), length)
     if i < n_chunks - 1:  # the last chunk's "done" is the final signal below
         for p in range(0, W):
             if _pick(in_place, ps, p) == 0:
@@ -131,7 +136,8 @@ def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs
 def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                    PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr,
-                   STAGGER: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr, BALANCED: tl.constexpr):
+                   STAGGER: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr, BALANCED: tl.constexpr,
+                   DISCARD: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the slots k * P + q of every k (P here is the column count the
     host passes, C = W * programs_per_peer; words_ptr is its own word set, ring_off its own ring). As a
@@ -144,7 +150,8 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     step one after another, each waiting out its own transfer; pushed first, the chunks to different readers
     cross the links together and the first signal waits once for all of them (the later signals find nothing
     left to wait for). The waits between them are on the readers' earlier "done" words, which never depend on
-    this step's signals. BALANCED: equal chunks per program (_exchange._chunk_size)."""
+    this step's signals. BALANCED: equal chunks per program (_exchange._chunk_size). DISCARD
+    (CollectiveState.ring_discard): reduced ring chunks leave L2 unwritten (_reduce_step)."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
     q = take_ticket(ticket_ptr, tl.num_programs(0)).to(tl.int32)
     me = tcl.rank()
@@ -189,7 +196,7 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
         for step in range(0, 2):  # step 0: reduce if this column reduces first, else push; step 1: the other
             if (step == 0) == reduce_first:
                 _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i,
-                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC, STREAM, KEEP)
+                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC, STREAM, KEEP, DISCARD)
             elif not IN_PLACE:
                 if i + 1 < n_chunks:  # chunk 0 went with the header
                     _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64, ring_off,

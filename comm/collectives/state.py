@@ -152,6 +152,11 @@ class CollectiveState:
     # world 1 (one H200, 2026-11-28 from 09:55 UTC, tests/collective_sweep.py in turn with the default) it gained 1-4%
     # on that all_to_all and nothing measurable elsewhere; not timed on several GPUs yet
     balanced_chunks: bool = False
+    # the staged collectives: a reader drops each ring chunk's L2 lines once it has read them (tcl.discard: dirty
+    # lines leave L2 unwritten), so the ring costs no write-back to HBM: at world 1 a staged all_gather 8192^2 takes
+    # two copies' time, as if the ring's bytes went to memory and back. Off by default: compiled for sm_90 and
+    # checked on CPU ranks (where a discard poisons the range), not run on a GPU yet (2026-11-28)
+    ring_discard: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
     # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
@@ -182,9 +187,9 @@ class CollectiveState:
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
                ring_hints: bool = False, tma_push: bool = False, tma_read: bool = False,
-               direct: bool = False, balanced_chunks: bool = False) -> "CollectiveState":
+               direct: bool = False, balanced_chunks: bool = False, ring_discard: bool = False) -> "CollectiveState":
         """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read, direct,
-        balanced_chunks: the tuning knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs). Collective: every rank passes the
+        balanced_chunks, ring_discard: the tuning knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs). Collective: every rank passes the
         same knobs."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
@@ -220,7 +225,7 @@ class CollectiveState:
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
                    rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read, direct=direct,
-                   balanced_chunks=balanced_chunks,
+                   balanced_chunks=balanced_chunks, ring_discard=ring_discard,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kr._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
@@ -283,7 +288,7 @@ class CollectiveState:
             chunk = (self.chunk_bytes if kernel == "pairs" else rs_bytes) // elem
             block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
-                          BALANCED=self.balanced_chunks, num_warps=self.num_warps)
+                          BALANCED=self.balanced_chunks, DISCARD=self.ring_discard, num_warps=self.num_warps)
             if kernel == "pairs":
                 even, gather, in_place, out_heap, table_args, push, read = key[3:]
                 config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, OPEN=self.direct, OUT_HEAP=out_heap,

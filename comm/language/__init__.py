@@ -30,6 +30,10 @@ All operations act for the whole program (one Triton program = one CUDA block):
     bulk_wait(x)                    x (int32), after this program's TMA stores are complete and ordered
                                     before its later generic accesses: TMA stores, bulk_wait, then signal
                                     (Triton waits only until a TMA store has read its shared memory)
+    discard(ptr, nelems)            the program has read local ptr[0:nelems] and nothing reads it before it is
+                                    written again: GPU: its whole 128-byte L2 lines are dropped without
+                                    being written back (after a barrier of the program); CPU: overwritten
+                                    with a poison value. A later signal's release orders it like a store
     barrier_all()                   all PEs meet (call from one program per kernel per rank)
 
 Signal words are int64 symmetric tensors (int32 works too). Compare ops: CMP_EQ, CMP_NE, CMP_GT,
@@ -70,7 +74,8 @@ quiet = _primitive("quiet")
 barrier_all = _primitive("barrier_all")
 proxy_fence = _primitive("proxy_fence")
 bulk_wait = _primitive("bulk_wait")
+discard = _primitive("discard")
 
 __all__ = ["rank", "num_ranks", "symm_at", "put", "get", "signal", "wait", "consume_token", "fence", "quiet",
-           "barrier_all", "proxy_fence", "bulk_wait", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT",
+           "barrier_all", "proxy_fence", "bulk_wait", "discard", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT",
            "CMP_LE", "CMP_LT", "CMP_GE"]

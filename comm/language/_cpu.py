@@ -132,6 +132,19 @@ def get(dst, src, nelems, pe):
     _copy(dst, _symm_at(src, pe), n)
 
 
+DISCARD_POISON = 0x5A  # what tcl.discard leaves on CPU ranks
+
+
+def discard(ptr, nelems):
+    """CPU ranks: the range's contents become undefined, as on a GPU, here by being overwritten with
+    DISCARD_POISON, so that a read the caller's protocol did not expect to find garbage fails its tests (the
+    whole range: stronger than the GPU's whole 128-byte lines)."""
+    n = _nelems(nelems, "discard")
+    for start in range(0, n, _COPY_BLOCK):
+        offs = start + tl.arange(0, _COPY_BLOCK)
+        tl.store(ptr + offs, tl.full((_COPY_BLOCK,), DISCARD_POISON, ptr.dtype.element_ty), mask=offs < n)
+
+
 def signal(sig, value, pe, op):
     op = _py(op)
     _check_pe(pe, "signal")

@@ -29,6 +29,7 @@ STATE_ADDR = tl.constexpr(0)
 TRANSPORT_NVSHMEM = tl.constexpr(_env.transport() == "nvshmem")
 CHECK = tl.constexpr(_env.check())  # TILECOMM_CHECK=1: bounds checks in put/get/symm_at/signal (debug)
 COPY_BLOCK = tl.constexpr(4096)  # elements per step of one program: 32 per thread at 4 warps
+DISCARD_LINES = tl.constexpr(1024)  # 128-byte L2 lines per step of `discard`: 4 per thread at 8 warps
 WAIT_CHECKS_ERRORS_NS = tl.constexpr(1_000_000)  # a wait this long also watches the error record (`wait`)
 
 _NVSHMEM_BC: dict = {}
@@ -404,6 +405,25 @@ def quiet():
 def proxy_fence(x):
     return tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def discard(ptr, nelems):
+    """The program has read ptr[0 : nelems] (this GPU's memory) and nothing reads it before it is written again:
+    after a barrier of the program (every thread's loads of the range are done), drop the whole 128-byte L2 lines
+    inside the range without writing them back to memory (PTX discard.global.L2, sm_80+). Lines the range covers
+    only in part are left alone. To the memory model a discard is a weak write, so a later signal's release orders
+    it before whatever the signalled peer writes there next."""
+    tl.debug_barrier()
+    elem = ptr.dtype.element_ty.primitive_bitwidth // 8
+    start = ptr.to(tl.int64)
+    first = (start + 127) // 128
+    end = (start + tl.cast(nelems, tl.int64) * elem) // 128
+    for line in range(first, end, DISCARD_LINES):
+        lines = line + tl.arange(0, DISCARD_LINES)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $1, 0; @p discard.global.L2 [$2], 128; "
+                                  "mov.u32 $0, 0; }", "=r,r,l", [(lines < end).to(tl.int32), lines * 128],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
