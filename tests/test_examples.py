@@ -47,6 +47,7 @@ def test_bench_self_on_a_cpu_rank(tmp_path):
     rows = json.loads(out.read_text())
     ops = [r["op"] for r in rows]
     assert any(o.startswith("all_to_all_single") for o in ops) and any(o == "low_latency combine" for o in ops)
+    assert sum("discard]" in o for o in ops) == 6, ops  # the ring's knobs (world1.RING_CONFIGS), results checked
     assert all("error" not in r and r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
 
 

@@ -16,7 +16,8 @@ Rows: all_to_all_single 4096×7168 and 128×7168 bf16 (ordinary tensors, and 409
 output from tilecomm.empty), all_gather_into_tensor / reduce_scatter_tensor 8192×8192 bf16 (ordinary and
 tilecomm.empty), tcl.put / tcl.get from a grid of programs (64 and 128 MiB; launched by Triton's `kernel[grid]`,
 and again through tilecomm.jit.CachedLaunch, the compiled kernel's launcher tilecomm's own calls use: the same
-kernel with less host time per launch), normal-mode dispatch / combine
+kernel with less host time per launch), the ordinary-tensor collectives again under the ring's knobs
+(RING_CONFIGS: L2 hints, ring discards), normal-mode dispatch / combine
 (4096 tokens × 7168, top-8 of 256 experts) and low-latency dispatch / combine (128 tokens). On CPU
 (--backend cpu) every row runs at toy sizes: a smoke test, not a measurement.
 """
@@ -176,7 +177,8 @@ def _direct_rows(t: Table, s: dict, dtype: torch.dtype, tma: bool) -> None:
 
 
 def _sweep(t: Table, s: dict, dtype: torch.dtype, dev: torch.device, configs) -> None:
-    """The same rows under other CollectiveState tunings (programs per SM, chunk and block bytes)."""
+    """The same rows under other CollectiveState tunings: (programs per SM, chunk bytes, block bytes, other knobs
+    by name), each collective's result checked before it is timed (at world 1 every one returns its input)."""
     from tilecomm.collectives.state import CollectiveState
 
     ctx = tilecomm.current()
@@ -185,18 +187,28 @@ def _sweep(t: Table, s: dict, dtype: torch.dtype, dev: torch.device, configs) ->
     a, a_out = torch.randn(s["rows"], H, device=dev).to(dtype), torch.empty(s["rows"], H, device=dev, dtype=dtype)
     g, g_out = torch.randn(S, S, device=dev).to(dtype), torch.empty(S, S, device=dev, dtype=dtype)
     a_floor, g_floor = torch.empty_like(a), torch.empty_like(g)
-    for per_sm, chunk, block in configs:
-        ctx.collectives = CollectiveState.create(ctx, 1 << 30, per_sm, chunk, block)
-        tag = f"[{per_sm}/SM chunk {chunk >> 10}K block {block >> 10}K]"
+    cases = ((f"a2a {s['rows']}x{H}", tilecomm.all_to_all_single, a, a_out, a_floor),
+             (f"all_gather {S}x{S}", tilecomm.all_gather_into_tensor, g, g_out, g_floor),
+             (f"reduce_scatter {S}x{S}", tilecomm.reduce_scatter_tensor, g, g_out, g_floor))
+    for per_sm, chunk, block, knobs in configs:
+        ctx.collectives = CollectiveState.create(ctx, 1 << 30, per_sm, chunk, block, **knobs)
+        named = "".join(", " + k.replace("ring_", "") for k in knobs)
+        tag = f"[{per_sm}/SM chunk {chunk >> 10}K block {block >> 10}K{named}]"
         try:
-            t.add(f"a2a {s['rows']}x{H} {tag}", lambda: tilecomm.all_to_all_single(a_out, a), lambda: a_floor.copy_(a))
-            t.add(f"all_gather {S}x{S} {tag}", lambda: tilecomm.all_gather_into_tensor(g_out, g),
-                  lambda: g_floor.copy_(g))
-            t.add(f"reduce_scatter {S}x{S} {tag}", lambda: tilecomm.reduce_scatter_tensor(g_out, g),
-                  lambda: g_floor.copy_(g))
+            for name, op, x, out, floor in cases:
+                out.fill_(-7)
+                op(out, x)
+                assert torch.equal(out, x), f"{name} {tag} at world 1 must return its input"
+                t.add(f"{name} {tag}", lambda op=op, out=out, x=x: op(out, x), lambda floor=floor, x=x: floor.copy_(x))
         finally:
             ctx.collectives.free()
             ctx.collectives = default
+
+
+# the ring's knobs (staged, ordinary tensors: two copies at world 1): a 16.5 MiB ring (fits L2) with L2 eviction hints,
+# the default ring with each chunk's L2 lines dropped once read (tcl.discard), and both
+RING_CONFIGS = [(2, 32 << 10, 32 << 10, dict(ring_hints=True)), (2, 128 << 10, 32 << 10, dict(ring_discard=True)),
+                (2, 32 << 10, 32 << 10, dict(ring_hints=True, ring_discard=True))]
 
 
 def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
@@ -223,8 +235,9 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
         CachedLaunch.enabled = True
         # the defaults came from a sweep of (programs per SM, chunk, block) on 4 H200s (tests/collective_sweep.py);
         # one program per SM, the world-1 sweep's choice (H100, 2026-11-25), stays in the table beside them
-        _sweep(t, s, dtype, ctx.device, [(1, 128 << 10, 32 << 10)])
+        _sweep(t, s, dtype, ctx.device, [(1, 128 << 10, 32 << 10, {})])
         _host_profile(s, dtype, ctx.device)
+    _sweep(t, s, dtype, ctx.device, RING_CONFIGS)
     try:
         for row in dispatch_bench.self_rows(iters):  # checked against torch first, then timed like the rows above
             t.rows.append(row)

@@ -77,5 +77,5 @@ bulk_wait = _primitive("bulk_wait")
 discard = _primitive("discard")
 
 __all__ = ["rank", "num_ranks", "symm_at", "put", "get", "signal", "wait", "consume_token", "fence", "quiet",
-           "barrier_all", "proxy_fence", "bulk_wait", "discard", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT",
-           "CMP_LE", "CMP_LT", "CMP_GE"]
+           "barrier_all", "proxy_fence", "bulk_wait", "discard", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE",
+           "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE"]
