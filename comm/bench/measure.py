@@ -5,6 +5,7 @@
     host_us(fn)         the same runs without the final wait: host time per call
     kernels_per_call(fn) GPU kernels and memcpys of one call and their device time (torch.profiler)
     kernel_profile(fn, calls) the same per call over calls back to back (median of calls 2..), with names
+    host_profile(fn, what) cProfile of calls back to back: where a call's host time goes (printed)
     host_syncs(fn)      synchronising CUDA calls the host makes in one call
                         (torch.cuda.set_sync_debug_mode("warn") warnings, plus Event.synchronize calls)
     graph_replays(fn, out) capture one call in a CUDA graph, replay it, True if the replay rewrote `out`
@@ -56,6 +57,23 @@ def per_call_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_g
 
 def host_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:
     return _seconds_per_call(fn, iters, warmup, on_gpu, wait=False) * 1e6
+
+
+def host_profile(fn: Callable[[], object], what: str, calls: int = 200, top: int = 14, warmup: int = 5) -> None:
+    """Print where the host time of fn goes: cProfile over `calls` calls after `warmup` calls, the `top`
+    functions by their own time."""
+    import cProfile
+    import pstats
+
+    for _ in range(warmup):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    print(f"host profile of {what}, {calls} calls:", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def kernels_per_call(fn: Callable[[], object], on_gpu: bool = True):

@@ -132,20 +132,10 @@ def _collective_rows(t: Table, s: dict, dtype: torch.dtype, dev: torch.device) -
 
 
 def _host_profile(s: dict, dtype: torch.dtype, dev: torch.device) -> None:
-    """Where the host time of a small all_to_all_single goes (cProfile, top functions by own time)."""
-    import cProfile
-    import pstats
-
+    """Where the host time of a small all_to_all_single goes (measure.host_profile)."""
     x = torch.randn(s["small"], s["hidden"], device=dev).to(dtype)
     out = torch.empty_like(x)
-    for _ in range(5):
-        tilecomm.all_to_all_single(out, x)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        tilecomm.all_to_all_single(out, x)
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    measure.host_profile(lambda: tilecomm.all_to_all_single(out, x), f"all_to_all_single {s['small']}x{s['hidden']}")
 
 
 def _direct_rows(t: Table, s: dict, dtype: torch.dtype, tma: bool) -> None:
