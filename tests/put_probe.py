@@ -2,12 +2,13 @@
 
     python tests/put_probe.py [--mib 64,128] [--slices 14,16,18] [--warps 4,8] [--no-loops]
 
-Issue 9's bar is ≥ 90% of a copy per call back to back (`bench self` reads 1.11-1.16x with the kernel's profiled
-time within 1-3% of the copy's). For each size, interleaved rounds of: `copy_`, tcl.put / tcl.get launched through
-CachedLaunch with other grids (bytes per program) and warp counts, and plain Triton copy loops of the same bytes that
-keep one or two steps of loads in flight (what tcl's `_copy` could become). Each row: µs per call back to back
-(median of the rounds), and from torch.profiler over 10 calls the kernel's mean time and the GPU's idle time before
-each kernel (the gap between back-to-back calls). Every variant's output is checked against its source.
+Issue 9's bar is ≥ 90% of a copy per call back to back (`bench self` read 1.11-1.16x with 256 KiB per program and the
+kernel's profiled time within 1-3% of the copy's; this probe found the finer grid it uses since, 2026-11-28). For each
+size, interleaved rounds of: `copy_`, tcl.put / tcl.get launched through CachedLaunch with other grids (bytes per
+program) and warp counts, and plain Triton copy loops of the same bytes that keep one or two steps of loads in flight
+(what tcl's `_copy` could become). Each row: µs per call back to back (median of the rounds), and from torch.profiler
+over 10 calls the kernel's mean time and the GPU's idle time before each kernel (the gap between back-to-back calls).
+Every variant's output is checked against its source.
 """
 import argparse
 
@@ -16,21 +17,9 @@ import triton
 import triton.language as tl
 
 import tilecomm
-import tilecomm.language as tcl
 from tilecomm.bench import measure
+from tilecomm.bench.world1 import _get_grid_kernel, _put_grid_kernel  # the kernels of bench self's put/get rows
 from tilecomm.jit import CachedLaunch
-
-
-@tilecomm.jit
-def _put_kernel(dst_ptr, src_ptr, SLICE: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * SLICE
-    tcl.put(dst_ptr + start, src_ptr + start, SLICE, tcl.rank())
-
-
-@tilecomm.jit
-def _get_kernel(dst_ptr, src_ptr, SLICE: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * SLICE
-    tcl.get(dst_ptr + start, src_ptr + start, SLICE, tcl.rank())
 
 
 @triton.jit
@@ -75,7 +64,7 @@ def main():
         src.copy_(torch.randn(n, device=dev))
         plain = torch.empty_like(src)
         variants = {"copy_": (lambda: plain.copy_(src), plain)}
-        for name, kernel in (("put", _put_kernel), ("get", _get_kernel)):
+        for name, kernel in (("put", _put_grid_kernel), ("get", _get_grid_kernel)):
             cached = CachedLaunch(kernel)
             for slice_log2 in (int(v) for v in args.slices.split(",")):
                 for warps in (int(v) for v in args.warps.split(",")):
