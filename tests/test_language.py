@@ -269,7 +269,7 @@ def read_then_discard(programs):
     tilecomm.free(buf)
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 3])
 def test_discard_keeps_what_was_read_and_what_lies_outside(ranks, world):
     ranks(world).run(read_then_discard, 3)
 
