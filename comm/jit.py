@@ -371,6 +371,7 @@ class CachedLaunch:
         self.names = [p.name for p in fn.params]
         self.plain_ints = [not p.do_not_specialize for p in fn.params]
         self.kernels: dict = {}
+        self.registers: dict = {}  # (key, spec) -> (registers a thread, spilled bytes) of the compiled kernel
 
     def launch_keyed(self, grid, *args, **constexprs) -> None:
         """`launch` with the key made from the tensors' dtypes and the constexprs' values (a call site passes
@@ -406,6 +407,7 @@ class CachedLaunch:
         entry = self.kernels.get((key, spec))
         if entry is None:
             kernel = self.fn[grid](*args, **constexprs)
+            self.registers[(key, spec)] = (getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None))
             consts = [constexprs[n] for n in self.names[len(args):]]
             direct = _direct_launcher(kernel)
             if direct is None:

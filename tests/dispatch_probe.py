@@ -54,6 +54,9 @@ def parse(text):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default=DEFAULT, help="';'-separated variants, each 'field=value,...' ('' = default)")
+    p.add_argument("--no-timeline", action="store_true",
+                   help="skip torch.profiler (kernel times, idle gaps): the per-call times alone, every rank's, each of "
+                        "the 5 runs (a ~7.7 ms combine at W = 2 came after the dispatch's profiled calls in some runs)")
     args = p.parse_args()
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
     rank = tilecomm.rank()
@@ -74,6 +77,12 @@ def main():
                 want.append(got)
             same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
             per_call = measure.per_call_us(lambda: d.dispatch(x, idx, w))
+            if args.no_timeline:
+                runs = measure.per_call_runs_us(lambda: d.combine(res.x, res.handle))
+                d.free()
+                print(f"rank {rank} {','.join(f'{k}={v}' for k, v in over.items()) or 'default'}: dispatch "
+                      f"{per_call:.1f} µs/call, combine runs {[round(r, 1) for r in runs]} µs/call", flush=True)
+                return ""
             kernels, idle, span = timeline(lambda: d.dispatch(x, idx, w), calls=12)
             per_combine = measure.per_call_us(lambda: d.combine(res.x, res.handle))
             c_kernels, c_idle, c_span = timeline(lambda: d.combine(res.x, res.handle), calls=12)

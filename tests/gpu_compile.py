@@ -21,7 +21,7 @@ from triton.compiler.compiler import make_backend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_language as lang  # noqa: E402
-from tilecomm.collectives import _exchange as ex, _reduce as er  # noqa: E402
+from tilecomm.collectives import _exchange as ex, _reduce as er, state as st  # noqa: E402
 from tilecomm.dispatch import layout as dl  # noqa: E402
 from tilecomm.dispatch.compile_cases import gpu_compile_cases  # noqa: E402
 from tilecomm.language import _gpu  # noqa: E402
@@ -56,14 +56,29 @@ PAIRS_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*u8", "words_pt
              **{k: "constexpr" for k in ("EVEN", "GATHER", "IN_PLACE", "OPEN", "OUT_HEAP", "MOVE", "TAG", "CHUNK",
                                          "DEPTH", "BLOCK", "VEC", "TABLE_ARGS", "STREAM", "KEEP", "TMA_PUSH",
                                          "TMA_READ", "BALANCED", "DISCARD")}}
-PAIRS = {"EVEN": False, "GATHER": False, "IN_PLACE": False, "OPEN": False, "OUT_HEAP": False,
-         "MOVE": triton.language.int16, "TAG": 18, "CHUNK": 65536, "DEPTH": 2, "BLOCK": 16384, "VEC": 8, "STREAM": "",
-         "KEEP": "", "TMA_PUSH": False, "TMA_READ": False, "BALANCED": False, "DISCARD": False}
-REDUCE = {"OP": 0, "ACC": triton.language.float32, "AVG": False, "IN_PLACE": False, "CHUNK": 8192, "DEPTH": 2,
-          "BLOCK": 4096, "PUSH_BLOCK": 8192, "VEC": 8, "MAX_W": 4, "TAG": 50, "STAGGER": True, "STREAM": "", "KEEP": "",
-          "BALANCED": False, "DISCARD": False}
+_OPTIONS = ("num_warps", "maxnreg")  # launch options a case may carry among its constexprs (ptxas's, not the kernel's)
+
+
+def _collective_config(key: tuple, world: int) -> dict:
+    """What CollectiveState._launch_config gives a GPU launch of `key` at `world` ranks with the default chunk and
+    step sizes (constexprs, num_warps and maxnreg): the collectives' cases build the sizes and register limit that
+    run, not copies of them (the reduce case once compiled half the steps it launched: 128 registers here, 198 on
+    the GPU)."""
+    from types import SimpleNamespace
+
+    state = st.CollectiveState.__new__(st.CollectiveState)
+    state.ctx = SimpleNamespace(backend="cuda", world_size=world)
+    state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = st._GPU_CHUNK_BYTES, st._BLOCK_BYTES, 8, st.DEPTH
+    state._configs, state._max_w, state.rs_stagger = {}, st.next_pow2(world), True
+    return dict(state._launch_config(key))
+
+
+# all_to_all of bf16 (moved as int16), 16-byte aligned; reduce_scatter of bf16 into fp32 at 4 ranks
+PAIRS = _collective_config(("pairs", 2, True, False, False, False, False, False, False, False), 4)
+REDUCE = _collective_config(("reduce", 2, True, 0, False, False, triton.language.float32), 4)
 REDUCE_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P, "err_ptr": I64P,
-              "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32", **{k: "constexpr" for k in REDUCE}}
+              "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
+              **{k: "constexpr" for k in er._reduce_kernel.arg_names[9:]}}  # (in the kernel's order)
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
@@ -130,6 +145,12 @@ def _resources(cubin: bytes) -> dict:
     return {"regs": int(found[1]) if found else None, "local_bytes": int(found[2]) + int(found[3]) if found else None}
 
 
+def _split_options(consts: dict, options: dict) -> tuple:
+    """(a case's constexprs, the compile options with the launch options it carries among them)."""
+    return ({k: v for k, v in consts.items() if k not in _OPTIONS},
+            dict(options, **{k: v for k, v in consts.items() if k in _OPTIONS}))
+
+
 def _as_ones(case):
     """The case with every integer scalar argument equal to 1: Triton compiles an int argument of value 1 as
     the constexpr 1 (on which a method such as `.to()` fails), so each kernel must build that way too."""
@@ -158,12 +179,14 @@ def main() -> None:
         cases = [_as_ones(c) for c in CASES if "GROUP_M" not in c[1] and not c[2].get("TMA_PIECES")]
         print(json.dumps({"cases": len(cases)}))
         for fn, sig, consts in cases:
+            consts, case_options = _split_options(consts, options)
             src = ASTSource(fn=fn, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()})
-            ttir = _frontend(src, target, options)
+            ttir = _frontend(src, target, case_options)
             print(json.dumps({"kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", "ttir_bytes": len(ttir)}))
         return
     print(json.dumps({"cases": len(CASES)}))  # every case must come back as a row
     for fn, sig, consts, *aligned in CASES:
+        consts, case_options = _split_options(consts, options)
         names = list(sig)
         # pointers 16-byte aligned and the ints a case names (a 4th element) multiples of 16, as Triton
         # specializes them at launch
@@ -171,7 +194,7 @@ def main() -> None:
         attrs = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(sig.items())
                  if t.startswith("*") or name in ints16}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-        kernel = triton.compile(src, target=target, options=options)
+        kernel = triton.compile(src, target=target, options=case_options)
         ptx = kernel.asm["ptx"]
         # a variant compiled beside the kernel's main case is named by its flag (LABELLED)
         label = "".join(f"+{k}" for k in LABELLED if consts.get(k))

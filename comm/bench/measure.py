@@ -2,6 +2,7 @@
 
     per_call_us(fn)     N / 5 calls back to back, one synchronize at the end: wall time per call (launch and
                         Python included; what a training step pays), the median of 5 such runs
+    per_call_runs_us(fn) per_call_us's runs one by one (whether a slow figure is every run or one)
     host_us(fn)         the same runs without the final wait: host time per call
     kernels_per_call(fn) GPU kernels and memcpys of one call and their device time (torch.profiler)
     kernel_profile(fn, calls) the same per call over calls back to back (median of calls 2..), with names
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -34,6 +35,13 @@ def _seconds_per_call(fn: Callable[[], object], iters: int, warmup: int, on_gpu:
                       reps: int = REPS) -> float:
     """The median over `reps` runs of iters / reps calls back to back (a synchronize between runs): one
     hiccup of a shared host (a 540 µs run among 320 µs ones, 2026-11-26) does not become the figure."""
+    times = _run_times(fn, iters, warmup, on_gpu, wait, reps)
+    return sorted(times)[len(times) // 2]
+
+
+def _run_times(fn: Callable[[], object], iters: int, warmup: int, on_gpu: bool, wait: bool,
+               reps: int = REPS) -> List[float]:
+    """Seconds per call of each of `reps` runs of iters / reps calls back to back, after `warmup` calls."""
     for _ in range(warmup):
         fn()
     _sync(on_gpu)
@@ -48,11 +56,16 @@ def _seconds_per_call(fn: Callable[[], object], iters: int, warmup: int, on_gpu:
             _sync(on_gpu)
         times.append((time.perf_counter() - start) / per_rep)
         _sync(on_gpu)
-    return sorted(times)[len(times) // 2]
+    return times
 
 
 def per_call_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:
     return _seconds_per_call(fn, iters, warmup, on_gpu, wait=True) * 1e6
+
+
+def per_call_runs_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> List[float]:
+    """per_call_us's runs, each (µs per call of one run), in the order they ran."""
+    return [s * 1e6 for s in _run_times(fn, iters, warmup, on_gpu, wait=True)]
 
 
 def host_us(fn: Callable[[], object], iters: int = 50, warmup: int = 5, on_gpu: bool = True) -> float:

@@ -166,6 +166,16 @@ def _direct_rows(t: Table, s: dict, dtype: torch.dtype, tma: bool) -> None:
         tilecomm.free(x)
 
 
+def _print_registers(state) -> None:
+    """The collectives' kernels as compiled: registers a thread, spilled bytes, and the programs an SM holds at
+    once by registers (by default the state launches two programs of 256 threads per SM; fewer resident ones run in
+    waves)."""
+    for name, launcher in (("pairs", state._pairs), ("reduce", state._reduce)):
+        seen = sorted({v for v in launcher.registers.values() if v[0] is not None})
+        fit = [65536 // (regs * 32 * state.num_warps) for regs, _ in seen]
+        print(f"{name} kernel: (registers, spilled bytes) {seen}; programs an SM holds by registers {fit}", flush=True)
+
+
 def _sweep(t: Table, s: dict, dtype: torch.dtype, dev: torch.device, configs) -> None:
     """The same rows under other CollectiveState tunings: (programs per SM, chunk bytes, block bytes, other knobs
     by name), each collective's result checked before it is timed (at world 1 every one returns its input)."""
@@ -215,6 +225,8 @@ def run(backend: str, json_path: Optional[str], iters: int) -> List[dict]:
           f"{'graph':>5s}")
     t = Table(on_gpu, iters)
     _collective_rows(t, s, dtype, ctx.device)
+    if on_gpu:
+        _print_registers(ctx.collectives)
     _direct_rows(t, s, dtype, tma=on_gpu and torch.cuda.get_device_capability(ctx.device)[0] >= 9)
     if on_gpu:
         CachedLaunch.enabled = False  # Triton's ordinary launch path, for comparison

@@ -67,6 +67,11 @@ _MARK = 1 << 62  # set in every packed count word (_exchange._packed_counts)
 # Two rings of 2 x 132 x DEPTH such chunks take 132 MiB of the workspace (the default GPU heap, 1 GiB, keeps
 # a quarter of itself for them); a smaller workspace gets one program per SM before it gets smaller chunks.
 _GPU_PROGRAMS_PER_SM = 2
+# Two 256-thread programs share an SM's 64 K registers only at <= 128 registers a thread: ptxas is held to that
+# (Triton's maxnreg). Left free, the device's ptxas gave the world-1 reduce_scatter kernel 198 registers (ncu,
+# 2026-11-28; this machine's ptxas 12.8 gave it 128), one program per SM, so the second half of the grid ran
+# after the first (12% occupancy, 2.4x a copy against all_gather's 2.0x).
+PROGRAM_REGS = 128
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
 _BLOCK_BYTES = 32 << 10
@@ -286,9 +291,11 @@ class CollectiveState:
             # reduce_scatter: at most 1/W of a slot, a power of two (CPU ranks move a chunk as one block)
             rs_bytes = 1 << ((self.chunk_bytes // self.ctx.world_size).bit_length() - 1)
             chunk = (self.chunk_bytes if kernel == "pairs" else rs_bytes) // elem
-            block = min(chunk, self.block_bytes // elem) if self.ctx.backend == "cuda" else chunk
+            on_gpu = self.ctx.backend == "cuda"
+            block = min(chunk, self.block_bytes // elem) if on_gpu else chunk
             config = dict(CHUNK=chunk, DEPTH=self.depth, BLOCK=block, VEC=16 // elem if aligned else 1,
-                          BALANCED=self.balanced_chunks, DISCARD=self.ring_discard, num_warps=self.num_warps)
+                          BALANCED=self.balanced_chunks, DISCARD=self.ring_discard, num_warps=self.num_warps,
+                          **({"maxnreg": PROGRAM_REGS} if on_gpu else {}))
             if kernel == "pairs":
                 even, gather, in_place, out_heap, table_args, push, read = key[3:]
                 config.update(EVEN=even, GATHER=gather, IN_PLACE=in_place, OPEN=self.direct, OUT_HEAP=out_heap,
@@ -299,12 +306,16 @@ class CollectiveState:
                               KEEP="evict_last" if self.ring_hints else "")
             else:
                 op, average, in_place, acc = key[3:]
-                # a reduce step loads W writers' blocks at once: half a step (8192 bf16 elements spilled on sm_90)
+                # a reduce step loads W writers' blocks at once and accumulates in fp32: half a step, and pushes of half
+                # a step (within PROGRAM_REGS on sm_90 without spills: 8192 bf16 elements each, where pushes of 16384
+                # spilled 136 bytes a thread; tests/gpu_compile.py builds these sizes). A quarter-step reduce (4096)
+                # took the in-place reduce_scatter at world 1 from 83 to 104 µs (one H200, 2026-11-28)
                 config.update(OP=op, ACC=acc, AVG=average, IN_PLACE=in_place, MAX_W=self._max_w,
-                              TAG=kx.op_tag(3, elem), PUSH_BLOCK=block, STAGGER=self.rs_stagger,
+                              TAG=kx.op_tag(3, elem), STAGGER=self.rs_stagger,
                               STREAM="evict_first" if self.ring_hints else "",
                               KEEP="evict_last" if self.ring_hints else "",
-                              BLOCK=max(block // 2, 1) if self.ctx.backend == "cuda" else block)
+                              PUSH_BLOCK=max(block // 2, 1) if on_gpu else block,
+                              BLOCK=max(block // 2, 1) if on_gpu else block)
             self._configs[key] = config
         return config
 
