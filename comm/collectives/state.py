@@ -68,9 +68,10 @@ _MARK = 1 << 62  # set in every packed count word (_exchange._packed_counts)
 # a quarter of itself for them); a smaller workspace gets one program per SM before it gets smaller chunks.
 _GPU_PROGRAMS_PER_SM = 2
 # Two 256-thread programs share an SM's 64 K registers only at <= 128 registers a thread: ptxas is held to that
-# (Triton's maxnreg). Left free, the device's ptxas gave the world-1 reduce_scatter kernel 198 registers (ncu,
-# 2026-11-28; this machine's ptxas 12.8 gave it 128), one program per SM, so the second half of the grid ran
-# after the first (12% occupancy, 2.4x a copy against all_gather's 2.0x).
+# (Triton's maxnreg). Left free, the GPU machine's ptxas gave the reduce_scatter kernel 184-198 registers (ncu,
+# one H200, 2026-11-28; the sm_90 build of tests/gpu_compile.py gave 128): one program per SM, the grid in two
+# waves. Held to 128 (no spills), the default reduce_scatter 8192^2 at world 1 took as long (154-162 µs), the one
+# on a 16.5 MiB ring with L2 hints 136 against 187 µs (`bench self`, same machine).
 PROGRAM_REGS = 128
 _GPU_CHUNK_BYTES = 128 << 10
 _CPU_CHUNK_BYTES = 256 << 10
@@ -132,8 +133,12 @@ class CollectiveState:
     table_arg_ranks: int = TABLE_ARG_RANKS  # uneven calls of up to this many ranks: counts as kernel arguments
     # the staged collectives: the ring's lines kept in L2 (evict_last: pushes into it and, in reduce_scatter, every
     # writer's chunk read) and the input's and output's streamed (evict_first), so that a ring slot is rewritten in
-    # L2 instead of written back (off by default: not measured yet; a staged all_gather at world 1 costs two copies
-    # whatever the ring's size, BENCHMARKS.md 2026-11-27)
+    # L2 instead of written back. Off by default (BENCHMARKS.md, 2026-11-28 from 12:22 UTC): at world 1 (one H200)
+    # all_gather 8192^2 took 127.9 µs against 138.6 (and, on a 32 KiB ring, reduce_scatter 135.0 against 154.5),
+    # but at world 2 (2 H200s, in turn with the default) every collective was 1-4% slower (all_gather 217.4-222.7
+    # against 212.9-214.5 µs). Under ncu the world-1 all_gather with the hints on a 16.5 MiB ring moved one copy's
+    # bytes through HBM (1.91 TB/s for 129 µs) and took as long as the default, which moves ~1.8 copies' (3.56 TB/s
+    # for 130 µs): the staged call is bound by its per-chunk steps, not by the ring's traffic
     ring_hints: bool = False
     # all_to_all / all_gather (16-byte aligned calls): the writers' pushes (tma_push) and the readers' copies
     # (tma_read) of a pair by TMA where each program's share is at least tma_min_bytes (TMA_MIN_BYTES; CPU tests set 0
@@ -159,8 +164,9 @@ class CollectiveState:
     balanced_chunks: bool = False
     # the staged collectives: a reader drops each ring chunk's L2 lines once it has read them (tcl.discard: dirty
     # lines leave L2 unwritten), so the ring costs no write-back to HBM: at world 1 a staged all_gather 8192^2 takes
-    # two copies' time, as if the ring's bytes went to memory and back. Off by default: compiled for sm_90 and
-    # checked on CPU ranks (where a discard poisons the range), not run on a GPU yet (2026-11-28)
+    # two copies' time, as if the ring's bytes went to memory and back. Off by default: at world 1 (one H200,
+    # 2026-11-28, three runs of `bench self`) all_gather 8192^2 136.9-138.8 µs against 137.3-142.4 without, and
+    # reduce_scatter 148.2-156.9 against 156.0-162.4, within the runs' spread; not timed on several GPUs
     ring_discard: bool = False
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
