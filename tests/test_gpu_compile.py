@@ -37,8 +37,9 @@ def compiled():
 
 
 def _two_programs_per_sm(rows: dict) -> None:
-    """The collectives run two 256-thread programs per SM (collectives/state.py): at most 128 registers a thread,
-    no local memory (a masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
+    """The collectives run two 256-thread programs per SM (collectives/state.py): at most 128 registers a thread
+    (ptxas is held there, state.PROGRAM_REGS; the GPU machine's ptxas gave reduce_scatter 198 unheld), without
+    spilling: no local memory (a masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
     registers and 136 bytes of local memory); their program index is a ticket (abi.take_ticket), not the block
     index (3 programs per SM hung on 4 H200s with block indices)."""
     for kernel in ("_exchange._pairs_kernel", "_exchange._pairs_kernel+TMA_PUSH+TMA_READ", "_reduce._reduce_kernel",

@@ -137,8 +137,9 @@ class CollectiveState:
     # all_gather 8192^2 took 127.9 µs against 138.6 (and, on a 32 KiB ring, reduce_scatter 135.0 against 154.5),
     # but at world 2 (2 H200s, in turn with the default) every collective was 1-4% slower (all_gather 217.4-222.7
     # against 212.9-214.5 µs). Under ncu the world-1 all_gather with the hints on a 16.5 MiB ring moved one copy's
-    # bytes through HBM (1.91 TB/s for 129 µs) and took as long as the default, which moves ~1.8 copies' (3.56 TB/s
-    # for 130 µs): the staged call is bound by its per-chunk steps, not by the ring's traffic
+    # bytes through HBM (1.91 TB/s for 129 µs) and took as long as the default, which moves ~1.7 copies' (3.56 TB/s
+    # for 130 µs): both pass every byte through L2 four times (input, ring in, ring out, output) at ~4.1 TB/s, about a
+    # copy_'s rate, so a staged call costs ~1.9 copies whatever the ring's traffic to HBM
     ring_hints: bool = False
     # all_to_all / all_gather (16-byte aligned calls): the writers' pushes (tma_push) and the readers' copies
     # (tma_read) of a pair by TMA where each program's share is at least tma_min_bytes (TMA_MIN_BYTES; CPU tests set 0
