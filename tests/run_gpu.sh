@@ -61,7 +61,8 @@
 #   collncu  ncu of the staged (ordinary-tensor) all_gather / reduce_scatter 8192^2 at world 1 (tests/staged_once.py; one
 #          GPU), the default CollectiveState and each of COLL_NCU_CONFIGS (collective_sweep's format; default: 2/32/32/2/1/1,
 #          a 16.5 MiB ring with L2 hints; 2/128/32/2/1/0/0/1, the default ring with its read chunks dropped from L2,
-#          CollectiveState.ring_discard; both): DRAM / L2 throughput and hit rates, warp stalls -> $OUT/coll_*.ncu-rep
+#          CollectiveState.ring_discard; both), after a copy of the same bytes (the floor): DRAM / L2 throughput and hit
+#          rates, warp stalls -> $OUT/coll_*.ncu-rep
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -164,16 +165,18 @@ if has agncu; then  # the kernels' limits side by side: matmul, the "copied" for
   done
 fi
 
-if has collncu; then  # where a staged collective's two copies' time goes: HBM traffic or the per-chunk handshake
-  for op in all_gather reduce_scatter; do
-    k=$([ $op = all_gather ] && echo _pairs_kernel || echo _reduce_kernel)
-    for config in "" ${COLL_NCU_CONFIGS-2/32/32/2/1/1 2/128/32/2/1/0/0/1 2/32/32/2/1/1/0/1}; do
+if has collncu; then  # where a staged collective's two copies' time goes: HBM traffic, L2 passes, or the per-chunk steps
+  for op in copy all_gather reduce_scatter; do  # copy: the same bytes by an elementwise kernel, the floor (L2 / DRAM rates)
+    k=$([ $op = all_gather ] && echo _pairs_kernel || { [ $op = copy ] && echo elementwise || echo _reduce_kernel; })
+    skip=$([ $op = copy ] && echo 3 || echo 2)
+    for config in "" $([ $op = copy ] || echo ${COLL_NCU_CONFIGS-2/32/32/2/1/1 2/128/32/2/1/0/0/1 2/32/32/2/1/1/0/1}); do
       name="coll_${op}_$(echo "${config:-default}" | tr / -)"
       timeout "${COLL_NCU_TIMEOUT:-150}" ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section LaunchStats --section Occupancy -k "regex:$k" --launch-skip 2 --launch-count 1 \
+        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section LaunchStats --section Occupancy \
+        -k "regex:$k" --launch-skip "$skip" --launch-count 1 \
         -o "$OUT/$name" python3 tests/staged_once.py --op $op ${config:+--config $config} > "$OUT/$name.log" 2>&1
       echo "== $op ${config:-default}"
-      ncu --import "$OUT/$name.ncu-rep" --page details 2>&1 | grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Mem Busy|Max Bandwidth|Registers|Achieved Occupancy|Warp Cycles Per Issued|Stall" | head -20
+      ncu --import "$OUT/$name.ncu-rep" --page details 2>&1 | grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|L2 Hit|L1/TEX Hit|Mem Busy|Max Bandwidth|Registers|Achieved Occupancy|Warp Cycles Per Issued|Stall" | head -24
     done
   done
 fi
