@@ -76,15 +76,24 @@ def main():
             if not want:
                 want.append(got)
             same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
+            # every timing starts from a barrier: torch.profiler's start and exit take each rank a different time,
+            # and unaligned ranks' skew lands in a call's wait for its peers. Without these the combine read 7.7-7.9
+            # ms a call (its span 566 µs) in every Dispatcher at W = 4, never with --no-timeline (BENCHMARKS.md,
+            # 2026-11-28 from 14:09 UTC)
+            tilecomm.barrier()
             per_call = measure.per_call_us(lambda: d.dispatch(x, idx, w))
             if args.no_timeline:
+                tilecomm.barrier()
                 runs = measure.per_call_runs_us(lambda: d.combine(res.x, res.handle))
                 d.free()
                 print(f"rank {rank} {','.join(f'{k}={v}' for k, v in over.items()) or 'default'}: dispatch "
                       f"{per_call:.1f} µs/call, combine runs {[round(r, 1) for r in runs]} µs/call", flush=True)
                 return ""
+            tilecomm.barrier()
             kernels, idle, span = timeline(lambda: d.dispatch(x, idx, w), calls=12)
+            tilecomm.barrier()
             per_combine = measure.per_call_us(lambda: d.combine(res.x, res.handle))
+            tilecomm.barrier()
             c_kernels, c_idle, c_span = timeline(lambda: d.combine(res.x, res.handle), calls=12)
         d.free()
         name = ",".join(f"{k}={v}" for k, v in over.items()) or "default"
