@@ -64,13 +64,7 @@ def _collective_config(key: tuple, world: int) -> dict:
     step sizes (constexprs, num_warps and maxnreg): the collectives' cases build the sizes and register limit that
     run, not copies of them (the reduce case once compiled half the steps it launched: 128 registers here, 198 on
     the GPU)."""
-    from types import SimpleNamespace
-
-    state = st.CollectiveState.__new__(st.CollectiveState)
-    state.ctx = SimpleNamespace(backend="cuda", world_size=world)
-    state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = st._GPU_CHUNK_BYTES, st._BLOCK_BYTES, 8, st.DEPTH
-    state._configs, state._max_w, state.rs_stagger = {}, st.next_pow2(world), True
-    return dict(state._launch_config(key))
+    return dict(st.CollectiveState.sizes_only("cuda", world, st._GPU_CHUNK_BYTES)._launch_config(key))
 
 
 # all_to_all of bf16 (moved as int16), 16-byte aligned; reduce_scatter of bf16 into fp32 at 4 ranks

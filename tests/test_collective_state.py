@@ -240,8 +240,6 @@ def test_ring_steps_are_powers_of_two_for_any_workspace(backend):
     """A launch's load step is a tl.arange, so a power of two, and at most its ring chunk, for every workspace
     size, world size and element size (a 28 KiB ring chunk once made fp32 steps of 7168 elements on 4 H200s:
     every all_to_all failed to compile). No ranks: the sizing and launch configs are plain Python."""
-    from types import SimpleNamespace
-
     from tilecomm.collectives import state as st
 
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
@@ -254,10 +252,7 @@ def test_ring_steps_are_powers_of_two_for_any_workspace(backend):
                 assert 2 * slots * st.DEPTH * chunk <= workspace and chunk <= default
                 if chunk < 4096 * W:  # create() raises MemoryError
                     continue
-                state = st.CollectiveState.__new__(st.CollectiveState)
-                state.ctx = SimpleNamespace(backend=backend, world_size=W)
-                state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = chunk, st._BLOCK_BYTES, 8, st.DEPTH
-                state._configs, state._max_w, state.rs_stagger = {}, 8, False
+                state = st.CollectiveState.sizes_only(backend, W, chunk, rs_stagger=False, max_w=8)
                 for elem in (1, 2, 4, 8):
                     for key in (("pairs", elem, True, True, False, False, False, False, False, False),
                                 ("reduce", elem, True, 0, False, False, "acc")):

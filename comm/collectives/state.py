@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import torch
@@ -244,6 +245,18 @@ class CollectiveState:
                    _table_views=[tables[i] for i in range(TABLE_SLOTS)],
                    _table_events=[None] * TABLE_SLOTS, _tables_np=tables.numpy(), _heap_base=heap.local.data_ptr(),
                    _heap_bytes=heap.local.numel() * heap.local.element_size(), _error=ctx.device_state.error, _pairs_grid=(W * P,), _on_cpu=not on_gpu)
+
+    @classmethod
+    def sizes_only(cls, backend: str, world: int, chunk_bytes: int, rs_stagger: bool = True,
+                   max_w: Optional[int] = None) -> "CollectiveState":
+        """A state that holds no memory, only what `_launch_config` reads (a ring chunk of chunk_bytes, the default
+        step, warps and depth): the launch configs a real state of these sizes makes, for the sm_90 build's cases
+        (tests/gpu_compile.py) and the size checks, without a runtime. Launching through it fails."""
+        state = cls.__new__(cls)
+        state.ctx = SimpleNamespace(backend=backend, world_size=world)
+        state.chunk_bytes, state.block_bytes, state.num_warps, state.depth = chunk_bytes, _BLOCK_BYTES, 8, DEPTH
+        state._configs, state._max_w, state.rs_stagger = {}, max_w or next_pow2(world), rs_stagger
+        return state
 
     def free(self) -> None:
         """Return the heap space (finalize does it; the state is unusable afterwards)."""
