@@ -91,16 +91,17 @@ def _slowest(us: float) -> float:
     return t.item()
 
 
-def state_for(ctx, config: str, sms: int) -> CollectiveState:
+def state_for(ctx, config: str, sms: int, trace: bool = False) -> CollectiveState:
     """A CollectiveState made with the knobs of one --configs entry (see the docstring), with a workspace that holds
-    two rings of its chunk (collective)."""
+    two rings of its chunk (collective); trace: reduce_scatter's step timings (tests/rs_trace.py)."""
     per_sm, chunk_k, block_k, *rest = [int(v) for v in config.split("/")]
     depth, stagger, hints, balanced, discard = (rest + [DEPTH, 1, 0, 0, 0][len(rest):])[:5]
     world = ctx.world_size
     slots = world * max(1, per_sm * sms // world)
     workspace = 2 * slots * depth * (chunk_k << 10)
     return CollectiveState.create(ctx, workspace, per_sm, chunk_k << 10, block_k << 10, depth, rs_stagger=bool(stagger),
-                                  ring_hints=bool(hints), balanced_chunks=bool(balanced), ring_discard=bool(discard))
+                                  ring_hints=bool(hints), balanced_chunks=bool(balanced), ring_discard=bool(discard),
+                                  trace=trace)
 
 
 def main():

@@ -39,7 +39,7 @@ GEMM = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "EPILOGUE_S
         "B_TRANS": False, "C_TMA": True, "PRECISION": "tf32"}
 GEMM_SIG = {k: "constexpr" for k in GEMM}
 # constexpr flags whose True variant is a case of its own (named kernel+FLAG)
-LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ", "OWN_IN_PLACE", "DISCARD")
+LABELLED = ("WAIT_LATE", "OUT_HEAP", "TMA_PUSH", "TMA_READ", "OWN_IN_PLACE", "DISCARD", "TRACE")
 # gemm_rs's fused kernel, compiled with its own tiles' waits before (push="kernel") and after (WAIT_LATE) the main loop
 RS_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": I64P,
           "consumed_ptr": I64P, "pes_ptr": "*i32", "epoch": I64, "mb": "i32", "N": "i32", "K": "i32", "me": "i32",
@@ -71,8 +71,8 @@ def _collective_config(key: tuple, world: int) -> dict:
 PAIRS = _collective_config(("pairs", 2, True, False, False, False, False, False, False, False), 4)
 REDUCE = _collective_config(("reduce", 2, True, 0, False, False, triton.language.float32), 4)
 REDUCE_SIG = {"in_ptr": "*bf16", "out_ptr": "*bf16", "heap_ptr": "*bf16", "words_ptr": I64P, "err_ptr": I64P,
-              "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32",
-              **{k: "constexpr" for k in er._reduce_kernel.arg_names[9:]}}  # (in the kernel's order)
+              "ring_off": I64, "in_heap_off": I64, "n": I64, "P": "i32", "trace_ptr": I64P,
+              **{k: "constexpr" for k in er._reduce_kernel.arg_names[10:]}}  # (in the kernel's order)
 CASES = [
     # an uneven all_to_all: split table in pinned memory (more than 8 ranks), then the row counts as arguments
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, TABLE_ARGS=False)),
@@ -89,6 +89,7 @@ CASES = [
     (ex._pairs_kernel, PAIRS_SIG, dict(PAIRS, EVEN=True, TABLE_ARGS=False, OPEN=True, OUT_HEAP=True, TMA_PUSH=True)),
     (er._reduce_kernel, REDUCE_SIG, REDUCE),
     (er._reduce_kernel, REDUCE_SIG, dict(REDUCE, DISCARD=True)),  # CollectiveState.ring_discard
+    (er._reduce_kernel, REDUCE_SIG, dict(REDUCE, TRACE=True)),  # CollectiveState.trace: its steps' clock reads
     (lang._put_ring_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "sig_ptr": I64P, "n": "i32", "epoch": I64}, {}),
     (lang._get_kernel, {"dst_ptr": "*fp32", "src_ptr": "*fp32", "n": "i32"}, {}),
     (lang._symm_store_kernel, {"buf_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16}),

@@ -63,6 +63,9 @@
 #          a 16.5 MiB ring with L2 hints; 2/128/32/2/1/0/0/1, the default ring with its read chunks dropped from L2,
 #          CollectiveState.ring_discard; both), after a copy of the same bytes (the floor): DRAM / L2 throughput and hit
 #          rates, warp stalls -> $OUT/coll_*.ncu-rep
+#   rstrace  tests/rs_trace.py on every GPU (one rank each): where reduce_scatter 8192^2's time goes, program by program
+#          (waits for the writers' ready signals and for ring slots, push and reduce steps; CollectiveState.trace),
+#          ordinary then heap tensors (RS_TRACE_CONFIG: collective_sweep's config format) -> $OUT/rs_trace.log
 #   signal tests/signal_probe.py: which signal ops reach which rank, each transport (2+ GPUs) -> $OUT/signal_probe.log
 #   moeprofile  tests/fused_moe_profile.py: both layers' kernels, fused config variants checked against the
 #          unfused path and timed beside it (MOE_PRESETS: layers; MOE_VARIANTS: layers that run them; MOE_ONLY: ";"-separated
@@ -133,6 +136,14 @@ if has dispatchworld && [ "$NGPU" -ge 2 ]; then  # tests/dispatch_probe.py on ev
   timeout "${DISPATCH_WORLD_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$NGPU" tests/dispatch_probe.py \
     --configs "${DISPATCH_WORLD_CONFIGS:-;send_programs=0;send_programs=128;send_programs=192,send_block_h=512}" 2>&1 \
     | grep -v "named symbol not found\|UserWarning\|_warn_once\|^W1" | tee "$OUT/dispatch_world.log"
+fi
+
+if has rstrace; then  # tests/rs_trace.py: reduce_scatter's programs' own step timings
+  for heap in "" --heap; do
+    timeout "${RS_TRACE_TIMEOUT:-120}" torchrun --standalone --nproc-per-node "$NGPU" tests/rs_trace.py \
+      --config "${RS_TRACE_CONFIG:-2/128/32}" $heap 2>&1 | grep -v "named symbol not found\|UserWarning\|_warn_once\|^W1" \
+      | tee -a "$OUT/rs_trace.log"
+  done
 fi
 
 if has signal && [ "$NGPU" -ge 2 ]; then  # tests/signal_probe.py: every (op, source, target) signal, both transports

@@ -53,7 +53,8 @@ def test_collectives_beside_compute_that_holds_the_sms(ranks, world):
     ranks(world).run(beside_busy_sms, 31)
 
 
-def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=False, balanced=False, discard=False):
+def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=False, balanced=False, discard=False,
+                      trace=False):
     """Every collective, several calls of fresh sizes, on a CollectiveState made with other tuning knobs, against
     the references; small ring chunks, so reduce_scatter's columns reuse their ring slots. programs_per_sm=3: on GPU
     ranks more programs than the SMs hold at once (late programs start while their SM is busy, so their warps start
@@ -66,7 +67,9 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     outputs, one completion wait per program). balanced: equal chunks per program (a 32 KiB ring chunk, so that the
     first call's 12000-element pairs go as two chunks of 6144 and 5856 elements, not 8192 and 3808). discard: readers
     drop each ring chunk once read (CollectiveState.ring_discard; on CPU ranks tcl.discard poisons the chunk, so a
-    chunk dropped before it was read, or a ring slot rewritten before its drop, gives wrong results)."""
+    chunk dropped before it was read, or a ring slot rewritten before its drop, gives wrong results). trace: every
+    reduce_scatter program records its step times (CollectiveState.trace), checked for consistency: each column's
+    chunks add up to the call's, its times are ordered and its waits lie inside the steps that contain them."""
     from tilecomm.collectives.state import CollectiveState
 
     rank, world = tilecomm.rank(), tilecomm.world_size()
@@ -77,7 +80,7 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
     workspace = 2 * world * max(1, programs_per_sm * sms // world) * 2 * chunk
     state = CollectiveState.create(ctx, workspace, programs_per_sm, chunk, step, rs_stagger=rs_stagger,
                                    ring_hints=ring_hints, tma_push=tma, tma_read=tma, direct=tma,
-                                   balanced_chunks=balanced, ring_discard=discard)
+                                   balanced_chunks=balanced, ring_discard=discard, trace=trace)
     state.tma_min_bytes = 0
     default, ctx.collectives = ctx.collectives, state
     on_heap = tilecomm.empty((world * (500 + 37 * 2), 24), torch.float32) if tma else None
@@ -114,6 +117,8 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
             assert torch.equal(ag.cpu(), torch.cat([t[:rows] for t in inputs])), f"call {call}"
             torch.testing.assert_close(rs.double().cpu().flatten(), reduce_scatter_ref(inputs, rank, "sum"), rtol=1e-5,
                                        atol=1e-5)
+            if trace:
+                check_reduce_trace(state, rs.numel(), rs.element_size())
     finally:
         if dev().type == "cuda":
             torch.cuda.synchronize()
@@ -124,11 +129,28 @@ def under_other_knobs(seed, programs_per_sm, rs_stagger, ring_hints=False, tma=F
             tilecomm.free(out_heap)
 
 
+def check_reduce_trace(state, n: int, elem: int) -> None:
+    """The last reduce_scatter's trace (CollectiveState.trace) against what the call must have done: one row per
+    program, chunks of the state's reduce_scatter chunk covering the n output elements, start <= headers <= end,
+    and the summed push / reduce steps (each containing its waits) inside headers .. end."""
+    tr = state.reduce_scatter_trace()
+    chunk = state._launch_config(("reduce", elem, True, 0, False, False, "acc"))["CHUNK"]
+    assert tr["start"].numel() == state._pairs_grid[0]
+    assert int(tr["chunks"].sum()) == -(-n // chunk), (tr["chunks"].tolist(), n, chunk)
+    assert bool((tr["start"] > 0).all()) and bool((tr["start"] <= tr["headers"]).all())
+    assert bool((tr["headers"] <= tr["end"]).all())
+    for wait, step in (("wait_ready", "reduce"), ("wait_slot", "push")):
+        assert bool((tr[wait] >= 0).all()) and bool((tr[wait] <= tr[step]).all()), (wait, tr[wait], tr[step])
+    assert bool((tr["push"] + tr["reduce"] <= tr["end"] - tr["headers"]).all())
+    assert bool((tr["reduce"] > 0).any()) and bool((tr["push"][tr["chunks"] > 1] > 0).any())  # (staged inputs)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("knobs", [(3, False), (2, True), (2, True, True), (2, True, False, True),
-                                   (2, True, False, False, True), (2, True, True, False, False, True)],
+                                   (2, True, False, False, True), (2, True, True, False, False, True),
+                                   (2, True, False, False, False, False, True)],
                          ids=["three_programs_per_sm_unstaggered", "staggered", "ring_hints", "tma", "balanced_chunks",
-                              "ring_discard"])
+                              "ring_discard", "trace"])
 def test_collectives_under_other_knobs(ranks, world, knobs):
     ranks(world).run(under_other_knobs, 41, *knobs)
 

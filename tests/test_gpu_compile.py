@@ -41,10 +41,11 @@ def _two_programs_per_sm(rows: dict) -> None:
     (ptxas is held there, state.PROGRAM_REGS; the GPU machine's ptxas gave reduce_scatter 198 unheld), without
     spilling: no local memory (a masked tail of unknown divisibility once made the pairs kernel's copies scalar: 255
     registers and 136 bytes of local memory); their program index is a ticket (abi.take_ticket), not the block
-    index (3 programs per SM hung on 4 H200s with block indices)."""
+    index (3 programs per SM hung on 4 H200s with block indices). The same for reduce_scatter traced
+    (CollectiveState.trace), so that the trace times the kernel that runs."""
     for kernel in ("_exchange._pairs_kernel", "_exchange._pairs_kernel+TMA_PUSH+TMA_READ", "_reduce._reduce_kernel",
                    "_exchange._pairs_kernel+OUT_HEAP", "_exchange._pairs_kernel+OUT_HEAP+TMA_PUSH",
-                   "_exchange._pairs_kernel+DISCARD", "_reduce._reduce_kernel+DISCARD"):
+                   "_exchange._pairs_kernel+DISCARD", "_reduce._reduce_kernel+DISCARD", "_reduce._reduce_kernel+TRACE"):
         # (the TMA variant keeps four descriptors' addresses live through its pipelined tile loops: Triton 3.6
         # spills 32 bytes, 24 under the nvshmem transport; it is off by default, CollectiveState.tma_push / tma_read)
         spill = 32 if "TMA" in kernel else 0

@@ -26,6 +26,24 @@ from ..language.abi import take_ticket
 from ._copy import copy_elements, load
 from ._exchange import _chunk_size, _chunks_of, _peer_delta, _read_header, _store_header, _words
 
+# CollectiveState.trace: what each program of a traced call writes to its row of the trace [programs, TRACE_WORDS]
+# (int64; times from tcl.clock, ns): when it started, finished its headers (its chunk 0 pushed, every writer's header
+# read) and ended; its chunks; and, summed over its steps, the time its reduce steps waited for the writers' ready
+# signals, its push steps waited for ring slots (the readers' done signals), and the whole of its push and reduce steps
+# (those waits included)
+TRACE_FIELDS = ("start", "headers", "end", "chunks", "wait_ready", "wait_slot", "push", "reduce")
+TRACE_WORDS = len(TRACE_FIELDS)
+_TRACE_WORDS = tl.constexpr(TRACE_WORDS)
+
+
+@jit
+def _now(TRACE: tl.constexpr):
+    """tcl.clock() where the call is traced, else 0 (no clock read is compiled)."""
+    if TRACE:
+        return tcl.clock()
+    else:
+        return tl.zeros((), tl.int64)
+
 
 @jit
 def _combine(acc, x, OP: tl.constexpr):
@@ -86,34 +104,42 @@ def _push_chunk(heap_ptr, in_ptr, dst, ring_at, n, c, chunk, BLOCK: tl.constexpr
 @jit
 def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64, ring_off, base,
                CHUNK: tl.constexpr, DEPTH: tl.constexpr, PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr,
-               STREAM: tl.constexpr, KEEP: tl.constexpr):
+               STREAM: tl.constexpr, KEEP: tl.constexpr, TRACE: tl.constexpr):
     """reduce_scatter, staged writer: my chunk i of column q into every reader's ring slot i % DEPTH, each once
-    that reader is done with what the slot held; then the W ready signals (kernel docstring: one drain)."""
+    that reader is done with what the slot held; then the W ready signals (kernel docstring: one drain).
+    Returns the ns it waited for ring slots (TRACE; else 0)."""
     c = (q + i * P).to(tl.int64) * chunk
+    waited = tl.zeros((), tl.int64)
     for k in range(0, W):
         dst = (me + k) % W
         slot = k * P + q
         if i >= DEPTH:  # the reader must be done with what this ring slot held
+            t0 = _now(TRACE)
             tcl.wait(done_ptr + slot, base + i + 1 - DEPTH, tcl.CMP_GE)
+            waited += _now(TRACE) - t0
         _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK + (i % DEPTH) * CHUNK, n64, c, chunk,
                     PUSH_BLOCK, VEC, STREAM, KEEP)
     for k in range(0, W):
         tcl.signal(ready_ptr + k * P + q, base + i + 1, (me + k) % W, tcl.SIGNAL_SET)
+    return waited
 
 
 @jit
 def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i, n_chunks, chunk,
                  n64, base, OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, CHUNK: tl.constexpr,
                  DEPTH: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, STREAM: tl.constexpr,
-                 KEEP: tl.constexpr, DISCARD: tl.constexpr):
+                 KEEP: tl.constexpr, DISCARD: tl.constexpr, TRACE: tl.constexpr):
     """reduce_scatter, reader: output chunk i of column q = op over the writers' chunk i (staged writers' from my
     ring once they signal it, in-place writers' from their tensors), then tell the staged writers it is done.
-    DISCARD: the staged writers' chunks' L2 lines are dropped first, unwritten (tcl.discard)."""
+    DISCARD: the staged writers' chunks' L2 lines are dropped first, unwritten (tcl.discard). Returns the ns it
+    waited for the writers' ready signals (TRACE; else 0)."""
     c = (q + i * P).to(tl.int64) * chunk
     length = tl.minimum(chunk, n64 - c)
+    t0 = _now(TRACE)
     for p in range(0, W):  # staged writers: their chunk i is in my ring
         if _pick(in_place, ps, p) == 0:
             tcl.wait(ready_ptr + ((me + W - p) % W) * P + q, base + i + 1, tcl.CMP_GE)
+    waited = _now(TRACE) - t0
     src_offs = base_offs + tl.where(in_place == 0, (i % DEPTH) * CHUNK, c)
     full = length // BLOCK * BLOCK
     for s in range(0, full, BLOCK):  # whole blocks unmasked (16-byte vectors), then the tail
@@ -130,14 +156,15 @@ def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs
         for p in range(0, W):
             if _pick(in_place, ps, p) == 0:
                 tcl.signal(done_ptr + ((me + W - p) % W) * P + q, base + i + 1, p, tcl.SIGNAL_SET)
+    return waited
 
 
 @jit(do_not_specialize=["ring_off", "in_heap_off", "n", "P"])
-def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P,
+def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_heap_off, n, P, trace_ptr,
                    OP: tl.constexpr, ACC: tl.constexpr, AVG: tl.constexpr, IN_PLACE: tl.constexpr, CHUNK: tl.constexpr, DEPTH: tl.constexpr, BLOCK: tl.constexpr,
                    PUSH_BLOCK: tl.constexpr, VEC: tl.constexpr, MAX_W: tl.constexpr, TAG: tl.constexpr,
                    STAGGER: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr, BALANCED: tl.constexpr,
-                   DISCARD: tl.constexpr):
+                   DISCARD: tl.constexpr, TRACE: tl.constexpr):
     """reduce_scatter_tensor: out[j] = op over ranks p, in rank order, of p's in[me * n + j]. Program q
     owns output chunks q, q + P, ... and uses the slots k * P + q of every k (P here is the column count the
     host passes, C = W * programs_per_peer; words_ptr is its own word set, ring_off its own ring). As a
@@ -151,9 +178,13 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     cross the links together and the first signal waits once for all of them (the later signals find nothing
     left to wait for). The waits between them are on the readers' earlier "done" words, which never depend on
     this step's signals. BALANCED: equal chunks per program (_exchange._chunk_size). DISCARD
-    (CollectiveState.ring_discard): reduced ring chunks leave L2 unwritten (_reduce_step)."""
+    (CollectiveState.ring_discard): reduced ring chunks leave L2 unwritten (_reduce_step). TRACE
+    (CollectiveState.trace): program q writes where its time went to trace_ptr[q, :] (TRACE_FIELDS)."""
     meta_ptr, ready_ptr, done_ptr, epoch_ptr, ticket_ptr = _words(words_ptr, P)
     q = take_ticket(ticket_ptr, tl.num_programs(0)).to(tl.int32)
+    row = trace_ptr + q.to(tl.int64) * _TRACE_WORDS  # (the trace's times go to memory at once: not held in registers)
+    if TRACE:
+        tl.store(row + 0, tcl.clock())
     me = tcl.rank()
     W = tcl.num_ranks()
     e = tl.load(epoch_ptr + q) + 1
@@ -192,15 +223,25 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     # half the programs push (NVLink) while the other half reduce (local memory), instead of all of them doing each
     # in turn. Column q only waits for column q (on every rank, the same parity), so either order is deadlock-free.
     reduce_first = (q % 2 == 1) & STAGGER
+    if TRACE:
+        tl.store(row + 1, tcl.clock())
+    wait_ready = tl.zeros((), tl.int64)
+    wait_slot = tl.zeros((), tl.int64)
+    push_ns = tl.zeros((), tl.int64)
+    reduce_ns = tl.zeros((), tl.int64)
     for i in range(0, n_chunks):
         for step in range(0, 2):  # step 0: reduce if this column reduces first, else push; step 1: the other
+            t0 = _now(TRACE)
             if (step == 0) == reduce_first:
-                _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P, q, i,
-                             n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC, STREAM, KEEP, DISCARD)
+                wait_ready += _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P,
+                                           q, i, n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC,
+                                           STREAM, KEEP, DISCARD, TRACE)
+                reduce_ns += _now(TRACE) - t0
             elif not IN_PLACE:
                 if i + 1 < n_chunks:  # chunk 0 went with the header
-                    _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64, ring_off,
-                               base, CHUNK, DEPTH, PUSH_BLOCK, VEC, STREAM, KEEP)
+                    wait_slot += _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64,
+                                            ring_off, base, CHUNK, DEPTH, PUSH_BLOCK, VEC, STREAM, KEEP, TRACE)
+                    push_ns += _now(TRACE) - t0
     # finish: every writer may reuse its ring region on me and its words; my input, where readers load it
     # in place, is free once they say they are done (a staged writer exits: its next call waits instead)
     for p in range(0, W):
@@ -208,3 +249,10 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     if IN_PLACE:
         for k in range(0, W):
             tcl.wait(done_ptr + k * P + q, last, tcl.CMP_GE)
+    if TRACE:
+        tl.store(row + 2, tcl.clock())
+        tl.store(row + 3, n_chunks.to(tl.int64))
+        tl.store(row + 4, wait_ready)
+        tl.store(row + 5, wait_slot)
+        tl.store(row + 6, push_ns)
+        tl.store(row + 7, reduce_ns)

@@ -170,6 +170,12 @@ class CollectiveState:
     # 2026-11-28, three runs of `bench self`) all_gather 8192^2 136.9-138.8 µs against 137.3-142.4 without, and
     # reduce_scatter 148.2-156.9 against 156.0-162.4, within the runs' spread; not timed on several GPUs
     ring_discard: bool = False
+    # reduce_scatter: every program records where its time went (waits for the writers' ready signals and for ring
+    # slots, its push and reduce steps: _reduce.TRACE_FIELDS) in `trace_words`, read by reduce_scatter_trace(); a
+    # diagnostic (tests/rs_trace.py), off by default: two clock reads a step. ncu cannot say this for a kernel that
+    # waits on its peers: it replays the kernel alone
+    trace: bool = False
+    trace_words: Optional[torch.Tensor] = None
     # made once by create(): the two kernels' launchers, the heap as each element type reduce_scatter adds
     # (views made once), launch constexprs per (element size, alignment) and the launches bound to this
     # state's buffers (jit.BoundLaunch: a call converts only its own arguments), the ring's heap offset, the split
@@ -200,9 +206,10 @@ class CollectiveState:
     def create(cls, ctx, workspace_bytes: int, programs_per_sm: int = _GPU_PROGRAMS_PER_SM, chunk_bytes: Optional[int] = None,
                block_bytes: int = _BLOCK_BYTES, depth: int = DEPTH, rs_stagger: bool = True,
                ring_hints: bool = False, tma_push: bool = False, tma_read: bool = False,
-               direct: bool = False, balanced_chunks: bool = False, ring_discard: bool = False) -> "CollectiveState":
+               direct: bool = False, balanced_chunks: bool = False, ring_discard: bool = False,
+               trace: bool = False) -> "CollectiveState":
         """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read, direct,
-        balanced_chunks, ring_discard: the tuning knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs).
+        balanced_chunks, ring_discard: the tuning knobs; trace: reduce_scatter's step timings (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs).
         Collective: every rank passes the same knobs."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
@@ -238,7 +245,9 @@ class CollectiveState:
                   torch.float32, torch.float64)
         return cls(ctx, P, chunk, block_bytes, ring, rs_ring, words, rs_words, tables, 8 if on_gpu else 1, depth,
                    rs_stagger, ring_hints=ring_hints, tma_push=tma_push, tma_read=tma_read, direct=direct,
-                   balanced_chunks=balanced_chunks, ring_discard=ring_discard,
+                   balanced_chunks=balanced_chunks, ring_discard=ring_discard, trace=trace,
+                   trace_words=torch.zeros((slots, kr.TRACE_WORDS), dtype=torch.int64, device=ctx.device)
+                   if trace else None,
                    _pairs=CachedLaunch(kx._pairs_kernel), _reduce=CachedLaunch(kr._reduce_kernel),
                    _heap_views={d: heap.local.view(d) for d in dtypes}, _max_w=next_pow2(W),
                    _ring_offset=heap.offset_of(ring), _rs_ring_offset=heap.offset_of(rs_ring),
@@ -331,7 +340,7 @@ class CollectiveState:
                 # spilled 136 bytes a thread; tests/gpu_compile.py builds these sizes). A quarter-step reduce (4096)
                 # took the in-place reduce_scatter at world 1 from 83 to 104 µs (one H200, 2026-11-28)
                 config.update(OP=op, ACC=acc, AVG=average, IN_PLACE=in_place, MAX_W=self._max_w,
-                              TAG=kx.op_tag(3, elem), STAGGER=self.rs_stagger,
+                              TAG=kx.op_tag(3, elem), STAGGER=self.rs_stagger, TRACE=self.trace,
                               STREAM="evict_first" if self.ring_hints else "",
                               KEEP="evict_last" if self.ring_hints else "",
                               PUSH_BLOCK=max(block // 2, 1) if on_gpu else block,
@@ -404,10 +413,18 @@ class CollectiveState:
             bound = self._bound[(src.dtype,) + key] = self._reduce.bind(
                 (src.dtype,) + key,
                 [src, out, self._heap_views[src.dtype], self.rs_words, self._error, self._rs_ring_offset // elem,
-                 in_heap_off, n, columns], (0, 1, 6, 7), **self._launch_config(key))
+                 in_heap_off, n, columns, self.trace_words if self.trace else self.rs_words], (0, 1, 6, 7),
+                **self._launch_config(key))
         bound.launch((columns,), src, out, in_heap_off, n)
         if self._on_cpu:
             self._raise_mismatch_now()
+
+    def reduce_scatter_trace(self) -> dict:
+        """With `trace` on: what each program of the last reduce_scatter recorded, {field: int64 tensor [programs]}
+        on the host (_reduce.TRACE_FIELDS; times in ns of tcl.clock). Waits for the call to finish."""
+        require(self.trace, "reduce_scatter_trace: this CollectiveState was made without trace=True", ValueError)
+        words = self.trace_words.cpu()
+        return {name: words[:, i] for i, name in enumerate(kr.TRACE_FIELDS)}
 
     def _raise_mismatch_now(self) -> None:
         """CPU ranks (the only callers) ran the kernel already: raise what it recorded at once (GPUs: at

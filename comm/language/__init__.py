@@ -35,6 +35,8 @@ All operations act for the whole program (one Triton program = one CUDA block):
                                     being written back (after a barrier of the program); CPU: overwritten
                                     with a poison value. A later signal's release orders it like a store
     barrier_all()                   all PEs meet (call from one program per kernel per rank)
+    clock()                         a timestamp in ns (int64) for a kernel's own timing: GPU %globaltimer, CPU
+                                    the host's monotonic clock (CollectiveState.trace times reduce_scatter's steps)
 
 Signal words are int64 symmetric tensors (int32 works too). Compare ops: CMP_EQ, CMP_NE, CMP_GT,
 CMP_GE, CMP_LT, CMP_LE (NVSHMEM's values).
@@ -75,7 +77,8 @@ barrier_all = _primitive("barrier_all")
 proxy_fence = _primitive("proxy_fence")
 bulk_wait = _primitive("bulk_wait")
 discard = _primitive("discard")
+clock = _primitive("clock")
 
 __all__ = ["rank", "num_ranks", "symm_at", "put", "get", "signal", "wait", "consume_token", "fence", "quiet",
-           "barrier_all", "proxy_fence", "bulk_wait", "discard", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE",
+           "barrier_all", "proxy_fence", "bulk_wait", "discard", "clock", "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE",
            "CMP_GT", "CMP_LE", "CMP_LT", "CMP_GE"]

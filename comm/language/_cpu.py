@@ -62,6 +62,11 @@ def num_ranks():
     return tl.full((), runtime.current().world_size, tl.int32)
 
 
+def clock():
+    """Nanoseconds of the host's monotonic clock (one clock for every rank of the machine)."""
+    return tl.full((), time.monotonic_ns(), tl.int64)
+
+
 def _elem_bytes(ptr) -> int:
     return ptr.dtype.element_ty.primitive_bitwidth // 8
 

@@ -262,6 +262,12 @@ def num_ranks():
 
 
 @triton.jit
+def clock():
+    """Nanoseconds from the GPU's global timer (%globaltimer: its ticks may be coarser than 1 ns), int64."""
+    return _globaltimer()
+
+
+@triton.jit
 def symm_at(ptr, pe):
     return ptr + tl.where(_allowed(ptr, 1, pe), _delta_elems(ptr, pe), 0)
 
