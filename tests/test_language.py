@@ -274,6 +274,43 @@ def test_discard_keeps_what_was_read_and_what_lies_outside(ranks, world):
     ranks(world).run(read_then_discard, 3)
 
 
+@tilecomm.jit
+def _clock_around_wait_kernel(sig_ptr, out_ptr):
+    tl.store(out_ptr, tcl.clock())
+    tcl.wait(sig_ptr, 2, tcl.CMP_GE)  # rank 1's SIGNAL_ADD of 2
+    tl.store(out_ptr + 1, tcl.clock())
+
+
+def clock_measures_a_wait(pause_s):
+    """tcl.clock around a wait that lasts as long as rank 1 sleeps before it signals: the two readings are
+    nanoseconds apart by at least most of that pause, and no more than the time the host saw pass."""
+    import time
+
+    sig, ready = tilecomm.zeros((1,), torch.int64), tilecomm.zeros((1,), torch.int64)
+    out = torch.zeros(2, dtype=torch.int64, device=dev())
+    if tilecomm.rank() == 0:  # built (GPU: compiled) before the timed launch, on a word that already holds
+        ready.fill_(2)
+        _clock_around_wait_kernel[(1,)](ready, out)
+        out.tolist()
+    tilecomm.barrier()
+    if tilecomm.rank() == 0:
+        started = time.monotonic_ns()
+        _clock_around_wait_kernel[(1,)](sig, out)
+        t0, t1 = out.tolist()  # (waits for the kernel)
+        ended = time.monotonic_ns()
+        assert t0 > 0 and 0.5 * pause_s * 1e9 <= t1 - t0 <= ended - started, (t0, t1, started, ended)
+    elif tilecomm.rank() == 1:
+        time.sleep(pause_s)
+        _add_kernel[(1,)](sig, 0)
+    tilecomm.barrier()
+    tilecomm.free(ready)
+    tilecomm.free(sig)
+
+
+def test_clock_measures_a_wait(ranks):
+    ranks(2).run(clock_measures_a_wait, 0.2)
+
+
 def test_kernel_runs_on_cpu_without_runtime():
     """A plain @tilecomm.jit kernel (no primitives) runs on CPU tensors with no init, no TRITON_INTERPRET."""
 
