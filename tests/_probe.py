@@ -1,6 +1,10 @@
 """What the probes share: running one body per config variant (ll_probe.py, dispatch_probe.py), routed tokens,
-and a collective's bf16 input and output (collective_sweep.py, comm_profile.py)."""
+a collective's bf16 input and output (collective_sweep.py, comm_profile.py), and a torchrun rank's start with NCCL
+beside tilecomm (collective_sweep.py, rs_trace.py)."""
+import os
+
 import torch
+import torch.distributed as dist
 
 import tilecomm
 
@@ -51,3 +55,13 @@ def collective_tensors(op, shape, world, heap_input=False, heap_output=False):
     out = tilecomm.empty(out_shape, torch.bfloat16) if heap_output else \
         torch.empty(out_shape, dtype=torch.bfloat16, device="cuda")
     return x, out
+
+
+def start_rank(heap_bytes: int):
+    """Under torchrun: this rank's GPU, NCCL's process group (the baseline) and tilecomm's runtime with a heap of
+    heap_bytes; (context, world size, rank, local GPU index)."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    tilecomm.init(heap_bytes=heap_bytes)
+    return tilecomm.current(), dist.get_world_size(), dist.get_rank(), local

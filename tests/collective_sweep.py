@@ -21,7 +21,6 @@ On 4 H100s (2026-11-26 evening), 3 programs per SM: every program had taken its 
 all of them late tickets (k = 3), never got their header.
 """
 import argparse
-import os
 import time
 
 import torch
@@ -31,7 +30,7 @@ import tilecomm
 from tilecomm.bench import measure
 from tilecomm.collectives.state import DEPTH, CollectiveState
 
-from _probe import collective_tensors
+from _probe import collective_tensors, start_rank
 
 CASES = [("all_to_all", (4096, 7168)), ("all_to_all", (128, 7168)), ("all_gather", (8192, 8192)),
          ("reduce_scatter", (8192, 8192))]
@@ -110,12 +109,7 @@ def main():
     p.add_argument("--snapshot", type=float, default=0.0, help="seconds; 0: off (module docstring)")
     p.add_argument("--heap", action="store_true", help="each case also on symmetric-heap tensors (module docstring)")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    tilecomm.init(heap_bytes=2 << 30)
-    ctx = tilecomm.current()
-    world, rank = dist.get_world_size(), dist.get_rank()
+    ctx, world, rank, local = start_rank(2 << 30)
     ours = {"all_to_all": tilecomm.all_to_all_single, "all_gather": tilecomm.all_gather_into_tensor,
             "reduce_scatter": tilecomm.reduce_scatter_tensor}
     theirs = {"all_to_all": dist.all_to_all_single, "all_gather": dist.all_gather_into_tensor,

@@ -13,7 +13,6 @@ waits, and what is left (end - headers - push - reduce: the final signals, and f
 readers). ncu cannot tell this for a kernel that waits on its peers: it replays the kernel alone.
 """
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import tilecomm
 from tilecomm.bench import measure
 
-from _probe import collective_tensors
+from _probe import collective_tensors, start_rank
 from collective_sweep import state_for
 
 PARTS = ("headers", "push", "wait_slot", "reduce", "wait_ready", "rest")
@@ -42,12 +41,7 @@ def main():
     p.add_argument("--heap", action="store_true")
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    tilecomm.init(heap_bytes=2 << 30)
-    ctx = tilecomm.current()
-    world, rank = dist.get_world_size(), dist.get_rank()
+    ctx, world, rank, local = start_rank(2 << 30)
     x, out = collective_tensors("reduce_scatter", (args.size, args.size), world, args.heap, args.heap)
     default = ctx.collectives
     ctx.collectives = state = state_for(ctx, args.config, torch.cuda.get_device_properties(local).multi_processor_count,
