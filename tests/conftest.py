@@ -13,10 +13,12 @@ default layout, two programs per SM).
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 
 import pytest
 
+import _gpu_build
 import tilecomm
 
 BACKEND = os.environ.get("TILECOMM_TEST_BACKEND", "cpu")
@@ -89,3 +91,17 @@ def no_shared_memory_leftovers():
 
 def pytest_configure(config):
     os.environ.setdefault("TILECOMM_TIMEOUT_S", TEST_TIMEOUT_S)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The sm_90 builds start now, niced, if their tests were selected (tests/_gpu_build.py)."""
+    try:
+        have_bitcode = importlib.util.find_spec("nvidia.nvshmem") is not None
+    except ImportError:  # (no nvidia package at all)
+        have_bitcode = False
+    if have_bitcode and any(item.path.name == "test_gpu_compile.py" and "sm90" in item.name for item in items):
+        _gpu_build.start_builds()
+
+
+def pytest_unconfigure(config):
+    _gpu_build.stop()

@@ -3,26 +3,15 @@ sm_90 with NVSHMEM's device library linked, under both transports, and the PTX h
 memory-ordering instructions the protocol relies on."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import _gpu_build
 
 
-def _start(env_update: dict) -> subprocess.Popen:
-    env = dict(os.environ, **env_update)
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_compile.py")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _rows(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-4000:]
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+def _rows(transport: str) -> dict:
+    code, out, err = _gpu_build.rows(transport)
+    assert code == 0, err[-4000:]
+    rows = _gpu_build.parse(out)
     cases = rows.pop(0)["cases"]
     assert len(rows) == cases and cases >= 26, (len(rows), cases)
     return {r["kernel"]: r for r in rows}
@@ -30,10 +19,10 @@ def _rows(proc: subprocess.Popen) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Both transports' builds, compiled side by side (two processes: CI's two cores)."""
+    """Both transports' builds, compiled side by side (two processes: CI's two cores), started in the background
+    by conftest when the session began (tests/_gpu_build.py)."""
     pytest.importorskip("nvidia.nvshmem", reason="nvidia-nvshmem-cu13 (the test extra) provides libnvshmem_device.bc")
-    procs = {t: _start({"TILECOMM_TRANSPORT": t}) for t in ("nvlink", "nvshmem")}
-    return {t: _rows(p) for t, p in procs.items()}
+    return {t: _rows(t) for t in _gpu_build.TRANSPORTS}
 
 
 def _two_programs_per_sm(rows: dict) -> None:
@@ -99,8 +88,8 @@ def test_kernels_build_with_int_arguments_of_one():
     fails to compile. It did on 4 H200s: low-latency dispatch with at most one token per rank, whose capacity
     check passes M to record_error. Every non-GEMM kernel must get through Triton's front end that way."""
     pytest.importorskip("nvidia.nvshmem", reason="nvidia-nvshmem-cu13 (the test extra) provides libnvshmem_device.bc")
-    proc = _start({"TILECOMM_TRANSPORT": "nvlink", "TILECOMM_COMPILE_ONES": "1"})
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-4000:]
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    code, out, err = _gpu_build.finish(_gpu_build.start({"TILECOMM_TRANSPORT": "nvlink", "TILECOMM_COMPILE_ONES": "1"}),
+                                       timeout=300)
+    assert code == 0, err[-4000:]
+    rows = _gpu_build.parse(out)
     assert len(rows) - 1 == rows[0]["cases"] >= 20 and all(r["ttir_bytes"] > 0 for r in rows[1:]), rows
