@@ -209,8 +209,9 @@ class CollectiveState:
                direct: bool = False, balanced_chunks: bool = False, ring_discard: bool = False,
                trace: bool = False) -> "CollectiveState":
         """programs_per_sm, chunk_bytes, block_bytes, depth, rs_stagger, ring_hints, tma_push, tma_read, direct,
-        balanced_chunks, ring_discard: the tuning knobs; trace: reduce_scatter's step timings (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs).
-        Collective: every rank passes the same knobs."""
+        balanced_chunks, ring_discard: the tuning knobs (GPU; the benchmarks sweep them; TMA needs sm_90+ on GPUs);
+        trace: reduce_scatter's programs time their steps (reduce_scatter_trace). Collective: every rank passes the
+        same knobs."""
         W, heap = ctx.world_size, ctx.heap
         on_gpu = ctx.backend == "cuda"
         require(not (on_gpu and (tma_push or tma_read)) or torch.cuda.get_device_capability(ctx.device)[0] >= 9,
