@@ -45,11 +45,13 @@ def gpu_compile_cases() -> list:
         _case(nm._combine_recv_kernel, {"back_ptr": _BF16, "back_w_ptr": _F32, "topk_ptr": _P64, "out_ptr": _BF16,
                                         "vals_out_ptr": _F32, "landed_ptr": _P64, **sig},
               dict(K=8, BT=1, BLOCK_T=1, BLOCK_K=8, BLOCK_H=1024, HAS_ROWS=True, HAS_VALS=True, ACC=tl.float32, PDL=True)),
-        _case(ll._dispatch_kernel, {"x_ptr": _BF16, "topk_ptr": _P64, "w_ptr": _F32, "recv_ptr": _BF16,
-                                    "recv_w_ptr": _F32, "recv_src_ptr": _P32, "count_ptr": _P64, "epoch_ptr": _P64,
-                                    "err_ptr": _P64, "pairs_ptr": _P32, "out_ptr": _BF16, "out_w_ptr": _F32,
-                                    "maps_ptr": _P32, "per_expert_ptr": _P64, **sig},
-              dict(K=8, BLOCK_K=8, BLOCK_C=1024, BLOCK_EL=256, BLOCK_W=8, BLOCK_R=2, BLOCK_H=4096, ALIGN=8)),
+        *(_case(ll._dispatch_kernel, {"x_ptr": _BF16, "topk_ptr": _P64, "w_ptr": _F32, "recv_ptr": _BF16,
+                                      "recv_w_ptr": _F32, "recv_src_ptr": _P32, "count_ptr": _P64, "epoch_ptr": _P64,
+                                      "err_ptr": _P64, "pairs_ptr": _P32, "out_ptr": _BF16, "out_w_ptr": _F32,
+                                      "maps_ptr": _P32, "per_expert_ptr": _P64, "trace_ptr": _P64, **sig},
+                dict(K=8, BLOCK_K=8, BLOCK_C=1024, BLOCK_EL=256, BLOCK_W=8, BLOCK_R=2, BLOCK_H=4096, ALIGN=8,
+                     TRACE=trace))
+          for trace in (False, True)),  # traced: LowLatencyConfig.trace
         _case(ll._combine_kernel, {"y_ptr": _BF16, "w_ptr": _F32, "maps_ptr": _P32, "back_ptr": _BF16,
                                    "out_ptr": _BF16, "epoch_ptr": _P64, **sig},
               dict(K=8, BLOCK_K=8, BLOCK_W=8, BLOCK_H=4096, ALIGN=8, ACC=tl.float32)),

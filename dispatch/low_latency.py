@@ -58,6 +58,13 @@ from ._device import last_of, peer_offset, signal_all, wait_all
 from .buffers import SymmetricState, low_latency_specs, row_bytes
 
 _SIG_CONSUMED, _SIG_BACK_READY, _SIG_BACK_CONSUMED = range(3)
+# LowLatencyConfig.trace: what each program of a traced dispatch launch writes to its row (its ticket) of the trace
+# (int64 ns of tcl.clock): when it started (after its ticket), when it was ready (a sender: every owner of its token
+# had consumed the previous call; a receiver: its counts had come), when it ended (the last sender: after publishing
+# the counts), and its role (SENT, PUBLISHED: the last sender, RECEIVED)
+TRACE_FIELDS = ("start", "ready", "end", "role")
+SENT, PUBLISHED, RECEIVED = 1, 2, 3
+_TRACE_WORDS, _SENT, _PUBLISHED, _RECEIVED = (tl.constexpr(v) for v in (len(TRACE_FIELDS), SENT, PUBLISHED, RECEIVED))
 # counter words (int32, each kernel's own three): ticket, programs done in the first role, in the second
 _DISPATCH_COUNTERS, _COMBINE_COUNTERS = 0, 3
 
@@ -66,12 +73,14 @@ _DISPATCH_COUNTERS, _COMBINE_COUNTERS = 0, 3
 class LowLatencyConfig:
     """block_h: columns per step; col_programs: column chunks per row (programs per token in send and
     sum, per (expert, source) in receive, per (source, token) in the expert-side reduce); block_rows:
-    rows per step in receive."""
+    rows per step in receive. trace: the dispatch's programs time themselves (TRACE_FIELDS; read by
+    LowLatencyEngine.dispatch_trace; tests/ll_probe.py --trace), a diagnostic: off by default."""
 
     block_h: int = 2048
     col_programs: int = 4
     block_rows: int = 2
     num_warps: int = 4
+    trace: bool = False
 
     @staticmethod
     def for_device(device: torch.device, hidden: int, world: int = 1) -> "LowLatencyConfig":
@@ -90,35 +99,48 @@ class LowLatencyConfig:
 @tilecomm.jit(do_not_specialize=["T", "N_SEND", "N_RECV"])
 def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, consumed_ptr, epoch_ptr,
                      err_ptr, pairs_ptr, counter_ptr, out_ptr, out_w_ptr, maps_ptr, per_expert_ptr, N_SEND, N_RECV,
-                     CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+                     CP, T, E, E_L, W, M, H, ROW, trace_ptr, K: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_EL: tl.constexpr, BLOCK_W: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr, TRACE: tl.constexpr):
     """Programs: N_SEND senders (token x column chunk), then N_RECV receivers (expert x source x chunk).
-    maps: pair_row [W, M, K] then token_ranks [M, W] (LowLatencyHandle)."""
+    maps: pair_row [W, M, K] then token_ranks [M, W] (LowLatencyHandle). TRACE: each program writes its times to
+    trace_ptr[ticket, :] (TRACE_FIELDS)."""
     ticket = take_ticket(counter_ptr, N_SEND + N_RECV)
+    row = trace_ptr + ticket.to(tl.int64) * _TRACE_WORDS
+    if TRACE:
+        tl.store(row, tcl.clock())
     pair_row_ptr = maps_ptr
     token_ranks_ptr = maps_ptr + W * M * K
     epoch = tl.load(epoch_ptr) + 1
     if ticket < N_SEND:
-        _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
-              consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M,
-              H, ROW, K, BLOCK_K, BLOCK_C, BLOCK_W, BLOCK_H, ALIGN)
+        ready = _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
+                      consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L,
+                      W, M, H, ROW, K, BLOCK_K, BLOCK_C, BLOCK_W, BLOCK_H, ALIGN, TRACE)
+        role = tl.full((), _SENT, tl.int64)
         if last_of(counter_ptr + 1, N_SEND):
             _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, tcl.rank(), epoch, E_L, W, M, BLOCK_EL)
+            role = tl.full((), _PUBLISHED, tl.int64)
     else:
         r = ticket - N_SEND
-        _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
-                 out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, K, BLOCK_W, BLOCK_R, BLOCK_H)
+        ready = _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr,
+                         out_ptr, out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, K, BLOCK_W,
+                         BLOCK_R, BLOCK_H, TRACE)
+        role = tl.full((), _RECEIVED, tl.int64)
         if last_of(counter_ptr + 2, N_RECV):
             signal_all(consumed_ptr + tcl.rank(), epoch, W)
             tl.store(epoch_ptr, epoch)
+    if TRACE:
+        tl.store(row + 1, ready)
+        tl.store(row + 2, tcl.clock())
+        tl.store(row + 3, role)
 
 
 @triton.jit
 def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, consumed_ptr, err_ptr, pairs_ptr,
           pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-          ALIGN: tl.constexpr):
+          ALIGN: tl.constexpr, TRACE: tl.constexpr):
+    """One sender; returns tcl.clock(TRACE) once every owner of its token has consumed the previous call."""
     me = tcl.rank()
     # this launch's pair_row (local, read by the receivers after the counts) starts at -1: a stripe each
     n_map = W * M * K
@@ -148,6 +170,7 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
     any_owner = tl.max(tl.where(first, owner, -1), axis=0)
     if any_owner >= 0:
         tcl.wait(consumed_ptr + tl.where(first, owner, any_owner), epoch - 1, tcl.CMP_GE)
+    ready = tcl.clock(TRACE)
     if j == 0:
         dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
         to = tl.where(ok, owner, 0)
@@ -168,6 +191,7 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
             first_k = tl.max((sel & first).to(tl.int32), axis=0) > 0
             at_k = tl.multiple_of(tl.sum(tl.where(sel, at, 0), axis=0), ALIGN)
             tl.store(recv_ptr + at_k + cols, v, mask=tl.where(first_k, cm, False))
+    return ready
 
 
 @triton.jit
@@ -191,13 +215,15 @@ def _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, me, epoch, E_L,
 @triton.jit
 def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr, out_w_ptr, pair_row_ptr,
              per_expert_ptr, epoch, CP, W, M, H, ROW, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
-             BLOCK_H: tl.constexpr):
+             BLOCK_H: tl.constexpr, TRACE: tl.constexpr):
+    """One receiver; returns tcl.clock(TRACE) once its counts have come."""
     base = epoch * (M + 1)
     # the counts of sources up to src only (the rows of lower sources come first in the expert's block), in
     # one wait (lanes past src repeat src's word): a program starts copying once they have published, not the
     # slowest rank; the last source's programs wait for every count and write the expert's total
     rr = tl.arange(0, BLOCK_W)
     n = tcl.wait(count_ptr + el * W + tl.minimum(rr, src), base, tcl.CMP_GE) - base
+    ready = tcl.clock(TRACE)
     offset = tl.sum(tl.where(rr < src, n, 0), axis=0)
     count = tl.sum(tl.where(rr == src, n, 0), axis=0)
     if (src == W - 1) & (j == 0):
@@ -217,6 +243,7 @@ def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
             m = im[:, None] & (cols < H)[None, :]
             v = tl.load(recv_ptr + row[:, None] * ROW + cols[None, :], mask=m)
             tl.store(out_ptr + (first + ii)[:, None] * H + cols[None, :], v, mask=m)
+    return ready
 
 
 @tilecomm.jit(do_not_specialize=["T", "N_BACK", "N_SUM"])
@@ -350,7 +377,11 @@ class LowLatencyEngine:
         self._map_words = W * max_tokens * topk + max_tokens * W  # LowLatencyHandle.maps: pair_row, token_ranks
         common = dict(K=K, BLOCK_K=_P2(K), BLOCK_W=_P2(W), BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
         self._dispatch_consts = dict(common, BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_EL=_P2(self.E_L),
-                                     BLOCK_R=cfg.block_rows)
+                                     BLOCK_R=cfg.block_rows, TRACE=cfg.trace)
+        # LowLatencyConfig.trace: a row per program of the largest launch (one word's row when off: never written)
+        self._trace = torch.zeros((max_tokens * cp + self._n_recv if cfg.trace else 1, len(TRACE_FIELDS)),
+                                  dtype=torch.int64, device=ctx.device)
+        self._traced_programs = 0  # the last traced launch's
         self._combine_consts = dict(common, enable_fp_fusion=False)
 
     def free(self) -> None:
@@ -405,23 +436,35 @@ class LowLatencyEngine:
             bound = self._bound[("dispatch", x.dtype, topk.dtype)] = self._dispatch.bind(
                 (x.dtype, topk.dtype), [x_arg, topk, weights, recv, recv_w, recv_src, count, self._sig[_SIG_CONSUMED],
                                         epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, maps,
-                                        per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row],
+                                        per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row, self._trace],
                 (0, 1, 2, 12, 13, 14, 15, 16, 17, 19), ALIGN=16 // x.element_size(), **self._dispatch_consts)
 
         n_send = max(T, 1) * self.cfg.col_programs
         if not defer_recv:  # the decode hot path: both roles in one launch
             n_recv = self._n_recv
             bound.launch((n_send + n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, n_recv, T)
+            self._traced_programs = n_send + n_recv
             return out_x, out_w, per_expert, handle, None
         bound.launch((n_send,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, 0, T)
+        self._traced_programs = n_send
 
         def recv_hook() -> None:
             if handle.received:
                 raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
             bound.launch((self._n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, 0, self._n_recv, T)
+            self._traced_programs = self._n_recv
             handle.received = True
 
         return out_x, out_w, per_expert, handle, recv_hook
+
+    def dispatch_trace(self) -> dict:
+        """With LowLatencyConfig.trace: what the programs of the last dispatch launch recorded, {field: int64 tensor
+        [programs]} on the host, by ticket (TRACE_FIELDS: senders first, then receivers; a launch of recv_hook holds
+        receivers only, a deferred send senders only). Waits for the launch."""
+        if not self.cfg.trace:
+            raise ValueError("dispatch_trace: this Dispatcher's LowLatencyConfig has trace=False")
+        words = self._trace[:self._traced_programs].cpu()
+        return {name: words[:, i] for i, name in enumerate(TRACE_FIELDS)}
 
     def combine(self, y: torch.Tensor, h: LowLatencyHandle) -> torch.Tensor:
         """y [E_l, cap, H] (rows in the dispatch's order) -> out [T, H] = sum_k w[t, k] * y[row(t, k)]."""

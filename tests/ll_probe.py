@@ -2,13 +2,17 @@
 
     python tests/ll_probe.py [--once]                              # one GPU, world 1
     torchrun --nproc-per-node 4 tests/ll_probe.py [--default]      # one rank per GPU (rank 0 prints its times)
+    torchrun --nproc-per-node 4 tests/ll_probe.py --trace          # the default config's dispatch traced
 
 For each LowLatencyConfig: µs per call back to back, each kernel's device time (torch.profiler), and the
 send and receive roles timed apart (return_recv_hook: two launches of the dispatch kernel); results
 checked against the default config's. --once: the default config only, a few calls (for ncu); --default: the
 default config only, timed. At world W > 1 the send role's time is this rank's sends and count publication, the
 receive role's includes waiting for every peer's counts: the two apart say whether a call's time beyond world 1's
-is waiting or copying. Not a test (no assertions beyond equality)."""
+is waiting or copying. --trace: the default config with LowLatencyConfig.trace, every rank's last dispatch launch
+program by program (µs from the launch's first program start on this rank's clock): when the senders started, could
+send (their tokens' owners had consumed the previous call) and ended, when the last sender had published the counts,
+when the receivers got their counts and ended. Not a test (no assertions beyond equality)."""
 import sys
 import time
 
@@ -77,8 +81,27 @@ def roles(fn, name, n=20):
     return _median(times[0::2]), _median(times[1::2])
 
 
+def _spread(us) -> str:
+    """median / max of a tensor of µs."""
+    return f"{us.median().item():6.1f} / {us.max().item():6.1f}" if us.numel() else "  none"
+
+
+def trace_line(d) -> str:
+    """The last dispatch launch's trace of Dispatcher d, in µs from its first program start (--trace)."""
+    tr = d._engine.dispatch_trace()
+    t0 = tr["start"].min()
+    us = {k: (v - t0).double() / 1e3 for k, v in tr.items() if k != "role"}
+    send, pub, recv = (tr["role"] == ll.SENT) | (tr["role"] == ll.PUBLISHED), tr["role"] == ll.PUBLISHED, \
+        tr["role"] == ll.RECEIVED
+    return (f"rank {tilecomm.rank()}: {int(send.sum())} senders start {_spread(us['start'][send])}, ready "
+            f"{_spread(us['ready'][send])}, end {_spread(us['end'][send])}; counts published at "
+            f"{us['end'][pub].max().item():6.1f}; {int(recv.sum())} receivers start {_spread(us['start'][recv])}, "
+            f"counts in {_spread(us['ready'][recv])}, end {_spread(us['end'][recv])}, copying "
+            f"{_spread(us['end'][recv] - us['ready'][recv])} (µs, median / max)")
+
+
 def main():
-    once, only_default = "--once" in sys.argv, "--default" in sys.argv
+    once, only_default, traced = "--once" in sys.argv, "--default" in sys.argv, "--trace" in sys.argv
     tilecomm.init(backend="cuda", heap_bytes=4 << 30)
     rank = tilecomm.rank()
     T, H, E, K = 128, 7168, 256, 8
@@ -96,6 +119,12 @@ def main():
             if not want:
                 want.append(got)
             same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
+            if traced:
+                line_up(lambda: d.dispatch(x, idx, w), 10)
+                d.dispatch(x, idx, w)
+                print(trace_line(d), flush=True)
+                d.free()
+                return ""
             if once:
                 for _ in range(3):
                     d.combine(d.dispatch(x, idx, w).x, res.handle)
@@ -113,7 +142,8 @@ def main():
                 f"combine {comb:6.1f} µs {kc}  same={same}")
         return line if rank == 0 else ""  # (False would stop this rank's sweep alone)
 
-    sweep_configs(ll.LowLatencyConfig, CONFIGS[:1] if once or only_default else CONFIGS, H, run, tilecomm.world_size())
+    configs = [dict(trace=True)] if traced else CONFIGS[:1] if once or only_default else CONFIGS
+    sweep_configs(ll.LowLatencyConfig, configs, H, run, tilecomm.world_size())
     tilecomm.finalize()
 
 

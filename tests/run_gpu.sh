@@ -45,7 +45,8 @@
 #   wgradncu  ncu of the DeepSeek-like gate_up weight-gradient kernel (tests/wgrad_probe.py --once): throughput of
 #          DRAM / L2 / SM, warp stall reasons -> $OUT/wgrad.ncu-rep
 #   llworld  tests/ll_probe.py --default on every GPU (one rank each): low-latency dispatch / combine at world W, the send
-#          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep) -> $OUT/ll_world.log
+#          and receive roles apart (2+ GPUs; LL_WORLD_ARGS replaces --default, e.g. "" for the whole sweep, or --trace:
+#          every rank's last dispatch launch program by program, LowLatencyConfig.trace) -> $OUT/ll_world.log
 #   dispatchworld  tests/dispatch_probe.py on every GPU (one rank each): normal dispatch / combine at world W, their
 #          kernels and the GPU's idle time, per NormalConfig variant (DISPATCH_WORLD_CONFIGS) -> $OUT/dispatch_world.log
 #   a2aengine  tests/a2a_engine_probe.py: one all_to_all's bytes by the copy engine (one stream, a stream per peer)

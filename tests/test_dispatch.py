@@ -320,8 +320,9 @@ def test_bad_dispatch_inputs(ranks):
     ranks(2).run(bad_dispatch_inputs)
 
 
-def low_latency_body(seed, T_by_rank, H, K, E, dtype, iters):
-    """Low-latency rows (packed by their counts) equal the normal mode's; combine gives the formula."""
+def low_latency_body(seed, T_by_rank, H, K, E, dtype, iters, after=None):
+    """Low-latency rows (packed by their counts) equal the normal mode's; combine gives the formula. after(fast,
+    T, hooked): more checks after each iteration's dispatch (test_dispatch_config: the trace)."""
     rank, world = tilecomm.rank(), tilecomm.world_size()
     M = max(T_by_rank) + 1
     fast = Dispatcher(E, H, M, K, dtype, mode="low_latency")
@@ -337,6 +338,8 @@ def low_latency_body(seed, T_by_rank, H, K, E, dtype, iters):
         rows = torch.cat([res.x[e, :n] for e, n in enumerate(counts)])
         assert torch.equal(rows, want.x), f"iteration {it}: low-latency rows differ"
         assert torch.equal(torch.cat([res.weights[e, :n] for e, n in enumerate(counts)]), want.weights)
+        if after is not None:
+            after(fast, x.shape[0], res.recv_hook is not None)
         experts = torch.arange(E // world, device=x.device) + rank * (E // world)
         y = (res.x.float() * (1.0 + experts.float())[:, None, None]).to(dtype)
         out = fast.combine(y, res.handle)

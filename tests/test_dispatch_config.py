@@ -1,14 +1,16 @@
 """The launch shapes `NormalConfig.for_device` gives each device and world size (no GPU needed: the GPU branch
 reads only the SM count, faked here). Over links the send runs fewer programs than blocks, so that blocks land in
 rounds the expand copies while the send goes on; at world 1 one program per block (BENCHMARKS.md, 2026-11-27).
-And the send's TMA knob (NormalConfig.send_tma) against the global reference on CPU ranks."""
+And the send's TMA knob (NormalConfig.send_tma) against the global reference on CPU ranks, and the low-latency
+dispatch traced (LowLatencyConfig.trace)."""
 import dataclasses
 import types
 
 import pytest
 import torch
 
-from test_dispatch import dispatch_combine_body
+from test_dispatch import TOKENS, dispatch_combine_body, low_latency_body
+from tilecomm.dispatch import low_latency as ll
 from tilecomm.dispatch.normal import NormalConfig
 
 
@@ -48,3 +50,36 @@ def test_dispatch_combine_send_tma(ranks, world, dtype, H):
     not stored), uneven tokens with a rank that has none, several send blocks per program."""
     many = {2: [70, 9], 3: [0, 131, 66]}[world]
     ranks(world).run(send_tma_body, 3, many, H, 4, 6 * world, dtype, "tilecomm", {"drop": 0.3}, 4)
+
+
+def check_low_latency_trace(fast, T, hooked):
+    """The last dispatch launch's trace (LowLatencyConfig.trace): a row per program by ticket, senders then
+    receivers (a recv_hook launch: receivers only), exactly one sender that published the counts, and each
+    program's start <= ready <= end."""
+    engine = fast._engine
+    tr = engine.dispatch_trace()
+    n_send, n_recv = max(T, 1) * engine.cfg.col_programs, engine._n_recv
+    roles = tr["role"].tolist()
+    if hooked:
+        assert roles == [ll.RECEIVED] * n_recv, roles
+    else:
+        assert roles[n_send:] == [ll.RECEIVED] * n_recv and len(roles) == n_send + n_recv, roles
+        assert sorted(roles[:n_send]) == [ll.SENT] * (n_send - 1) + [ll.PUBLISHED], roles
+    assert bool((tr["start"] > 0).all()) and bool((tr["start"] <= tr["ready"]).all())
+    assert bool((tr["ready"] <= tr["end"]).all())
+
+
+def low_latency_trace_body(*args):
+    """low_latency_body with LowLatencyConfig.trace on: the same results, and every launch's trace checked."""
+    default = ll.LowLatencyConfig.for_device
+    ll.LowLatencyConfig.for_device = staticmethod(lambda device, hidden, world=1: dataclasses.replace(
+        default(device, hidden, world), trace=True))
+    try:
+        return low_latency_body(*args, after=check_low_latency_trace)
+    finally:
+        ll.LowLatencyConfig.for_device = default
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_low_latency_traced(ranks, world):
+    ranks(world).run(low_latency_trace_body, 5, TOKENS[world], 8, 3, 4 * world, torch.float32, 4)

@@ -37,15 +37,6 @@ _TRACE_WORDS = tl.constexpr(TRACE_WORDS)
 
 
 @jit
-def _now(TRACE: tl.constexpr):
-    """tcl.clock() where the call is traced, else 0 (no clock read is compiled)."""
-    if TRACE:
-        return tcl.clock()
-    else:
-        return tl.zeros((), tl.int64)
-
-
-@jit
 def _combine(acc, x, OP: tl.constexpr):
     if OP == 0:
         acc = acc + x
@@ -114,9 +105,9 @@ def _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i, chunk, n64
         dst = (me + k) % W
         slot = k * P + q
         if i >= DEPTH:  # the reader must be done with what this ring slot held
-            t0 = _now(TRACE)
+            t0 = tcl.clock(TRACE)
             tcl.wait(done_ptr + slot, base + i + 1 - DEPTH, tcl.CMP_GE)
-            waited += _now(TRACE) - t0
+            waited += tcl.clock(TRACE) - t0
         _push_chunk(heap_ptr, in_ptr, dst, ring_off + slot * DEPTH * CHUNK + (i % DEPTH) * CHUNK, n64, c, chunk,
                     PUSH_BLOCK, VEC, STREAM, KEEP)
     for k in range(0, W):
@@ -135,11 +126,11 @@ def _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs
     waited for the writers' ready signals (TRACE; else 0)."""
     c = (q + i * P).to(tl.int64) * chunk
     length = tl.minimum(chunk, n64 - c)
-    t0 = _now(TRACE)
+    t0 = tcl.clock(TRACE)
     for p in range(0, W):  # staged writers: their chunk i is in my ring
         if _pick(in_place, ps, p) == 0:
             tcl.wait(ready_ptr + ((me + W - p) % W) * P + q, base + i + 1, tcl.CMP_GE)
-    waited = _now(TRACE) - t0
+    waited = tcl.clock(TRACE) - t0
     src_offs = base_offs + tl.where(in_place == 0, (i % DEPTH) * CHUNK, c)
     full = length // BLOCK * BLOCK
     for s in range(0, full, BLOCK):  # whole blocks unmasked (16-byte vectors), then the tail
@@ -231,17 +222,17 @@ def _reduce_kernel(in_ptr, out_ptr, heap_ptr, words_ptr, err_ptr, ring_off, in_h
     reduce_ns = tl.zeros((), tl.int64)
     for i in range(0, n_chunks):
         for step in range(0, 2):  # step 0: reduce if this column reduces first, else push; step 1: the other
-            t0 = _now(TRACE)
+            t0 = tcl.clock(TRACE)
             if (step == 0) == reduce_first:
                 wait_ready += _reduce_step(out_ptr, heap_ptr, ready_ptr, done_ptr, in_place, ps, base_offs, me, W, P,
                                            q, i, n_chunks, chunk, n64, base, OP, ACC, AVG, CHUNK, DEPTH, BLOCK, VEC,
                                            STREAM, KEEP, DISCARD, TRACE)
-                reduce_ns += _now(TRACE) - t0
+                reduce_ns += tcl.clock(TRACE) - t0
             elif not IN_PLACE:
                 if i + 1 < n_chunks:  # chunk 0 went with the header
                     wait_slot += _push_step(heap_ptr, in_ptr, ready_ptr, done_ptr, me, W, P, q, i + 1, chunk, n64,
                                             ring_off, base, CHUNK, DEPTH, PUSH_BLOCK, VEC, STREAM, KEEP, TRACE)
-                    push_ns += _now(TRACE) - t0
+                    push_ns += tcl.clock(TRACE) - t0
     # finish: every writer may reuse its ring region on me and its words; my input, where readers load it
     # in place, is free once they say they are done (a staged writer exits: its next call waits instead)
     for p in range(0, W):

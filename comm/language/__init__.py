@@ -35,8 +35,10 @@ All operations act for the whole program (one Triton program = one CUDA block):
                                     being written back (after a barrier of the program); CPU: overwritten
                                     with a poison value. A later signal's release orders it like a store
     barrier_all()                   all PEs meet (call from one program per kernel per rank)
-    clock()                         a timestamp in ns (int64) for a kernel's own timing: GPU %globaltimer, CPU
-                                    the host's monotonic clock (CollectiveState.trace times reduce_scatter's steps)
+    clock(ENABLED=True)             a timestamp in ns (int64) for a kernel's own timing: GPU %globaltimer, CPU
+                                    the host's monotonic clock; 0, with no read compiled, where the constexpr
+                                    ENABLED is False (a kernel whose timing is a compile-time option:
+                                    CollectiveState.trace, LowLatencyConfig.trace)
 
 Signal words are int64 symmetric tensors (int32 works too). Compare ops: CMP_EQ, CMP_NE, CMP_GT,
 CMP_GE, CMP_LT, CMP_LE (NVSHMEM's values).

@@ -62,9 +62,10 @@ def num_ranks():
     return tl.full((), runtime.current().world_size, tl.int32)
 
 
-def clock():
-    """Nanoseconds of the host's monotonic clock (one clock for every rank of the machine)."""
-    return tl.full((), time.monotonic_ns(), tl.int64)
+def clock(ENABLED=True):
+    """Nanoseconds of the host's monotonic clock (one clock for every rank of the machine); 0 where ENABLED is
+    False."""
+    return tl.full((), time.monotonic_ns() if _py(ENABLED) else 0, tl.int64)
 
 
 def _elem_bytes(ptr) -> int:

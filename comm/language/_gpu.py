@@ -262,9 +262,13 @@ def num_ranks():
 
 
 @triton.jit
-def clock():
-    """Nanoseconds from the GPU's global timer (%globaltimer: its ticks may be coarser than 1 ns), int64."""
-    return _globaltimer()
+def clock(ENABLED: tl.constexpr = True):
+    """Nanoseconds from the GPU's global timer (%globaltimer: its ticks may be coarser than 1 ns), int64; 0 where
+    ENABLED is False (no read compiled)."""
+    if ENABLED:
+        return _globaltimer()
+    else:
+        return tl.zeros((), tl.int64)
 
 
 @triton.jit
