@@ -52,7 +52,8 @@ def gpu_compile_cases() -> list:
                 dict(K=8, BLOCK_K=8, BLOCK_C=1024, BLOCK_EL=256, BLOCK_W=8, BLOCK_R=2, BLOCK_H=4096, ALIGN=8,
                      TRACE=trace))
           for trace in (False, True)),  # traced: LowLatencyConfig.trace
-        _case(ll._combine_kernel, {"y_ptr": _BF16, "w_ptr": _F32, "maps_ptr": _P32, "back_ptr": _BF16,
-                                   "out_ptr": _BF16, "epoch_ptr": _P64, **sig},
-              dict(K=8, BLOCK_K=8, BLOCK_W=8, BLOCK_H=4096, ALIGN=8, ACC=tl.float32)),
+        *(_case(ll._combine_kernel, {"y_ptr": _BF16, "w_ptr": _F32, "maps_ptr": _P32, "back_ptr": _BF16,
+                                     "out_ptr": _BF16, "epoch_ptr": _P64, "trace_ptr": _P64, **sig},
+                dict(K=8, BLOCK_K=8, BLOCK_W=8, BLOCK_H=4096, ALIGN=8, ACC=tl.float32, TRACE=trace))
+          for trace in (False, True)),
     ]

@@ -58,10 +58,12 @@ from ._device import last_of, peer_offset, signal_all, wait_all
 from .buffers import SymmetricState, low_latency_specs, row_bytes
 
 _SIG_CONSUMED, _SIG_BACK_READY, _SIG_BACK_CONSUMED = range(3)
-# LowLatencyConfig.trace: what each program of a traced dispatch launch writes to its row (its ticket) of the trace
-# (int64 ns of tcl.clock): when it started (after its ticket), when it was ready (a sender: every owner of its token
-# had consumed the previous call; a receiver: its counts had come), when it ended (the last sender: after publishing
-# the counts), and its role (SENT, PUBLISHED: the last sender, RECEIVED)
+# LowLatencyConfig.trace: what each program of a traced launch writes to its row (its ticket) of the trace (int64 ns
+# of tcl.clock): when it started (after its ticket), when it was ready, when it ended, and its role. Dispatch: a
+# sender (SENT) is ready once every owner of its token has consumed the previous call, the last sender (PUBLISHED)
+# ends after publishing the counts, a receiver (RECEIVED) is ready once its counts have come. Combine: an expert-side
+# reducer (SENT) is ready once its source has summed the previous call's partial rows, the last one (PUBLISHED) ends
+# after signalling every rank, a summer (RECEIVED) is ready once every rank's partial rows have come
 TRACE_FIELDS = ("start", "ready", "end", "role")
 SENT, PUBLISHED, RECEIVED = 1, 2, 3
 _TRACE_WORDS, _SENT, _PUBLISHED, _RECEIVED = (tl.constexpr(v) for v in (len(TRACE_FIELDS), SENT, PUBLISHED, RECEIVED))
@@ -248,11 +250,15 @@ def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
 
 @tilecomm.jit(do_not_specialize=["T", "N_BACK", "N_SUM"])
 def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consumed_ptr,
-                    epoch_ptr, counter_ptr, N_BACK, N_SUM, CP, T, W, M, H, ROW, K: tl.constexpr,
+                    epoch_ptr, counter_ptr, N_BACK, N_SUM, CP, T, W, M, H, ROW, trace_ptr, K: tl.constexpr,
                     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, ALIGN: tl.constexpr,
-                    ACC: tl.constexpr):
-    """Programs: N_BACK expert-side reducers (source x token x column chunk), then N_SUM summers (token x chunk)."""
+                    ACC: tl.constexpr, TRACE: tl.constexpr):
+    """Programs: N_BACK expert-side reducers (source x token x column chunk), then N_SUM summers (token x chunk).
+    TRACE: each program writes its times to trace_ptr[ticket, :] (TRACE_FIELDS)."""
     ticket = take_ticket(counter_ptr, N_BACK + N_SUM)
+    trace_row = trace_ptr + ticket.to(tl.int64) * _TRACE_WORDS
+    if TRACE:
+        tl.store(trace_row, tcl.clock())
     pair_row_ptr = maps_ptr
     token_ranks_ptr = maps_ptr + W * M * K
     me = tcl.rank()
@@ -261,6 +267,8 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
         s = (me + 1 + ticket // (M * CP)) % W  # sources from me + 1 on: the ranks send to different ranks at a time
         t = (ticket // CP) % M
         tcl.wait(consumed_ptr + s, epoch - 1, tcl.CMP_GE)  # s has summed my previous partial rows
+        ready = tcl.clock(TRACE)
+        role = tl.full((), _SENT, tl.int64)
         kk = tl.arange(0, BLOCK_K)
         rows = tl.load(pair_row_ptr + (s.to(tl.int64) * M + t) * K + kk, mask=kk < K, other=-1)
         if tl.max(rows, axis=0) >= 0:
@@ -279,10 +287,13 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
                 tl.store(back_ptr + at + cols, acc.to(back_ptr.dtype.element_ty), mask=cm)
         if last_of(counter_ptr + 1, N_BACK):
             signal_all(ready_ptr + me, epoch, W)
+            role = tl.full((), _PUBLISHED, tl.int64)
     else:
         p = ticket - N_BACK
         t = p // CP
         wait_all(ready_ptr, epoch, W)
+        ready = tcl.clock(TRACE)
+        role = tl.full((), _RECEIVED, tl.int64)
         ww = tl.arange(0, BLOCK_W)
         sent = tl.load(token_ranks_ptr + t.to(tl.int64) * W + ww, mask=tl.where(t < T, ww < W, False), other=0)
         for h in range((p % CP) * BLOCK_H, H, CP * BLOCK_H):
@@ -297,6 +308,10 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
         if last_of(counter_ptr + 2, N_SUM):
             signal_all(consumed_ptr + me, epoch, W)
             tl.store(epoch_ptr + 1, epoch)
+    if TRACE:
+        tl.store(trace_row + 1, ready)
+        tl.store(trace_row + 2, tcl.clock())
+        tl.store(trace_row + 3, role)
 
 
 # ---- host side -------------------------------------------------------------------------------------
@@ -378,11 +393,12 @@ class LowLatencyEngine:
         common = dict(K=K, BLOCK_K=_P2(K), BLOCK_W=_P2(W), BLOCK_H=cfg.block_h, num_warps=cfg.num_warps)
         self._dispatch_consts = dict(common, BLOCK_C=min(1024, _P2(max_tokens * K)), BLOCK_EL=_P2(self.E_L),
                                      BLOCK_R=cfg.block_rows, TRACE=cfg.trace)
-        # LowLatencyConfig.trace: a row per program of the largest launch (one word's row when off: never written)
-        self._trace = torch.zeros((max_tokens * cp + self._n_recv if cfg.trace else 1, len(TRACE_FIELDS)),
-                                  dtype=torch.int64, device=ctx.device)
-        self._traced_programs = 0  # the last traced launch's
-        self._combine_consts = dict(common, enable_fp_fusion=False)
+        self._combine_consts = dict(common, enable_fp_fusion=False, TRACE=cfg.trace)
+        # LowLatencyConfig.trace: a row per program of each kernel's largest launch (one row when off: never written),
+        # and the programs of the last launch
+        self._traces = [torch.zeros((rows if cfg.trace else 1, len(TRACE_FIELDS)), dtype=torch.int64, device=ctx.device)
+                        for rows in (max_tokens * cp + self._n_recv, self._n_back + max_tokens * cp)]
+        self._traced = [0, 0]  # (dispatch, combine)
 
     def free(self) -> None:
         self.state.free()
@@ -436,35 +452,39 @@ class LowLatencyEngine:
             bound = self._bound[("dispatch", x.dtype, topk.dtype)] = self._dispatch.bind(
                 (x.dtype, topk.dtype), [x_arg, topk, weights, recv, recv_w, recv_src, count, self._sig[_SIG_CONSUMED],
                                         epoch, self._err, self._pairs, self._dispatch_ctr, out_x, out_w, maps,
-                                        per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row, self._trace],
+                                        per_expert, 0, 0, cp, T, self.E, E_L, W, M, H, row, self._traces[0]],
                 (0, 1, 2, 12, 13, 14, 15, 16, 17, 19), ALIGN=16 // x.element_size(), **self._dispatch_consts)
 
         n_send = max(T, 1) * self.cfg.col_programs
         if not defer_recv:  # the decode hot path: both roles in one launch
             n_recv = self._n_recv
             bound.launch((n_send + n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, n_recv, T)
-            self._traced_programs = n_send + n_recv
+            self._traced[0] = n_send + n_recv
             return out_x, out_w, per_expert, handle, None
         bound.launch((n_send,), x_arg, topk, weights, out_x, out_w, maps, per_expert, n_send, 0, T)
-        self._traced_programs = n_send
+        self._traced[0] = n_send
 
         def recv_hook() -> None:
             if handle.received:
                 raise ValueError("recv_hook: this dispatch's receive half already ran (call each hook once)")
             bound.launch((self._n_recv,), x_arg, topk, weights, out_x, out_w, maps, per_expert, 0, self._n_recv, T)
-            self._traced_programs = self._n_recv
+            self._traced[0] = self._n_recv
             handle.received = True
 
         return out_x, out_w, per_expert, handle, recv_hook
 
-    def dispatch_trace(self) -> dict:
-        """With LowLatencyConfig.trace: what the programs of the last dispatch launch recorded, {field: int64 tensor
-        [programs]} on the host, by ticket (TRACE_FIELDS: senders first, then receivers; a launch of recv_hook holds
-        receivers only, a deferred send senders only). Waits for the launch."""
+    def trace(self, kernel: str) -> dict:
+        """With LowLatencyConfig.trace: what the programs of the last "dispatch" or "combine" launch recorded,
+        {field: int64 tensor [programs]} on the host, by ticket (TRACE_FIELDS: senders or reducers first, then
+        receivers or summers; a launch of recv_hook holds receivers only, a deferred send senders only). Waits for
+        the launch."""
         if not self.cfg.trace:
-            raise ValueError("dispatch_trace: this Dispatcher's LowLatencyConfig has trace=False")
-        words = self._trace[:self._traced_programs].cpu()
-        return {name: words[:, i] for i, name in enumerate(TRACE_FIELDS)}
+            raise ValueError("trace: this Dispatcher's LowLatencyConfig has trace=False")
+        if kernel not in ("dispatch", "combine"):
+            raise ValueError(f"trace: kernel={kernel!r}; expected 'dispatch' or 'combine'")
+        i = kernel == "combine"
+        words = self._traces[i][:self._traced[i]].cpu()
+        return {name: words[:, j] for j, name in enumerate(TRACE_FIELDS)}
 
     def combine(self, y: torch.Tensor, h: LowLatencyHandle) -> torch.Tensor:
         """y [E_l, cap, H] (rows in the dispatch's order) -> out [T, H] = sum_k w[t, k] * y[row(t, k)]."""
@@ -483,7 +503,9 @@ class LowLatencyEngine:
             bound = self._bound[("combine", y.dtype)] = self._combine.bind(
                 y.dtype, [y, h.weights, h.maps, back, out_arg, self._sig[_SIG_BACK_READY],
                           self._sig[_SIG_BACK_CONSUMED], self._bufs[3], self._combine_ctr, self._n_back, n_sum, cp, T,
-                          self.W, self.M, self.H, row], (0, 1, 2, 4, 10, 12), ALIGN=16 // y.element_size(),
+                          self.W, self.M, self.H, row, self._traces[1]], (0, 1, 2, 4, 10, 12),
+                ALIGN=16 // y.element_size(),
                 ACC=tl.float64 if y.dtype == torch.float64 else tl.float32, **self._combine_consts)
         bound.launch((self._n_back + n_sum,), y, h.weights, h.maps, out_arg, n_sum, T)
+        self._traced[1] = self._n_back + n_sum
         return out

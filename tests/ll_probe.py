@@ -12,7 +12,7 @@ receive role's includes waiting for every peer's counts: the two apart say wheth
 is waiting or copying. --trace: the default config with LowLatencyConfig.trace, every rank's last dispatch launch
 program by program (µs from the launch's first program start on this rank's clock): when the senders started, could
 send (their tokens' owners had consumed the previous call) and ended, when the last sender had published the counts,
-when the receivers got their counts and ended. Not a test (no assertions beyond equality)."""
+when the receivers got their counts and ended; then the combine's expert-side reducers and summers alike. Not a test (no assertions beyond equality)."""
 import sys
 import time
 
@@ -86,17 +86,20 @@ def _spread(us) -> str:
     return f"{us.median().item():6.1f} / {us.max().item():6.1f}" if us.numel() else "  none"
 
 
-def trace_line(d) -> str:
-    """The last dispatch launch's trace of Dispatcher d, in µs from its first program start (--trace)."""
-    tr = d._engine.dispatch_trace()
+def trace_line(d, kernel: str) -> str:
+    """The last `kernel` launch's trace of Dispatcher d, in µs from its first program start (--trace): dispatch's
+    senders and receivers, or combine's expert-side reducers and summers."""
+    tr = d._engine.trace(kernel)
     t0 = tr["start"].min()
     us = {k: (v - t0).double() / 1e3 for k, v in tr.items() if k != "role"}
     send, pub, recv = (tr["role"] == ll.SENT) | (tr["role"] == ll.PUBLISHED), tr["role"] == ll.PUBLISHED, \
         tr["role"] == ll.RECEIVED
-    return (f"rank {tilecomm.rank()}: {int(send.sum())} senders start {_spread(us['start'][send])}, ready "
-            f"{_spread(us['ready'][send])}, end {_spread(us['end'][send])}; counts published at "
-            f"{us['end'][pub].max().item():6.1f}; {int(recv.sum())} receivers start {_spread(us['start'][recv])}, "
-            f"counts in {_spread(us['ready'][recv])}, end {_spread(us['end'][recv])}, copying "
+    first, last, signal = ("senders", "receivers", "counts") if kernel == "dispatch" else \
+        ("reducers", "summers", "partial rows")
+    return (f"rank {tilecomm.rank()} {kernel}: {int(send.sum())} {first} start {_spread(us['start'][send])}, ready "
+            f"{_spread(us['ready'][send])}, end {_spread(us['end'][send])}; {signal} announced at "
+            f"{us['end'][pub].max().item():6.1f}; {int(recv.sum())} {last} start {_spread(us['start'][recv])}, "
+            f"ready {_spread(us['ready'][recv])}, end {_spread(us['end'][recv])}, working "
             f"{_spread(us['end'][recv] - us['ready'][recv])} (µs, median / max)")
 
 
@@ -120,9 +123,12 @@ def main():
                 want.append(got)
             same = all(torch.equal(a, b) for a, b in zip(got, want[0]))
             if traced:
-                line_up(lambda: d.dispatch(x, idx, w), 10)
+                line_up(lambda: d.combine(d.dispatch(x, idx, w).x, res.handle), 10)
                 d.dispatch(x, idx, w)
-                print(trace_line(d), flush=True)
+                print(trace_line(d, "dispatch"), flush=True)
+                tilecomm.barrier()
+                d.combine(res.x, res.handle)
+                print(trace_line(d, "combine"), flush=True)
                 d.free()
                 return ""
             if once:

@@ -52,21 +52,23 @@ def test_dispatch_combine_send_tma(ranks, world, dtype, H):
     ranks(world).run(send_tma_body, 3, many, H, 4, 6 * world, dtype, "tilecomm", {"drop": 0.3}, 4)
 
 
-def check_low_latency_trace(fast, T, hooked):
-    """The last dispatch launch's trace (LowLatencyConfig.trace): a row per program by ticket, senders then
-    receivers (a recv_hook launch: receivers only), exactly one sender that published the counts, and each
-    program's start <= ready <= end."""
-    engine = fast._engine
-    tr = engine.dispatch_trace()
-    n_send, n_recv = max(T, 1) * engine.cfg.col_programs, engine._n_recv
+def _check_trace(tr: dict, n_send: int, n_recv: int) -> None:
+    """A launch's trace: a row per program by ticket, n_send senders (exactly one that published, when there are
+    any) then n_recv receivers, and each program's start <= ready <= end."""
     roles = tr["role"].tolist()
-    if hooked:
-        assert roles == [ll.RECEIVED] * n_recv, roles
-    else:
-        assert roles[n_send:] == [ll.RECEIVED] * n_recv and len(roles) == n_send + n_recv, roles
-        assert sorted(roles[:n_send]) == [ll.SENT] * (n_send - 1) + [ll.PUBLISHED], roles
+    assert len(roles) == n_send + n_recv and roles[n_send:] == [ll.RECEIVED] * n_recv, roles
+    assert sorted(roles[:n_send]) == ([ll.SENT] * (n_send - 1) + [ll.PUBLISHED] if n_send else []), roles
     assert bool((tr["start"] > 0).all()) and bool((tr["start"] <= tr["ready"]).all())
     assert bool((tr["ready"] <= tr["end"]).all())
+
+
+def check_low_latency_trace(fast, T, hooked):
+    """The last dispatch launch's trace (LowLatencyConfig.trace; a recv_hook launch: receivers only), and the
+    combine's of the call before (its reducers: one per source, token slot and column chunk; its summers)."""
+    engine, cp = fast._engine, fast._engine.cfg.col_programs
+    _check_trace(engine.trace("dispatch"), 0 if hooked else max(T, 1) * cp, engine._n_recv)
+    if engine._traced[1]:  # (the first call has no combine before it)
+        _check_trace(engine.trace("combine"), engine._n_back, engine._traced[1] - engine._n_back)
 
 
 def low_latency_trace_body(*args):

@@ -70,7 +70,8 @@ def test_kernels_compile_for_sm90_nvlink_transport(compiled):
         assert rows[gemm]["wgmma"] and rows[gemm]["tma"] and not rows[gemm]["local_memory"], rows[gemm]
         assert rows[gemm]["local_bytes"] in (0, None), rows[gemm]  # compiled as launched (ints multiples of 16)
     assert rows["moe_gemm._scatter_kernel"]["release_sys_atomic"] and rows["moe_comm._send_kernel"]["release_sys_atomic"]
-    for kernel in ("low_latency._dispatch_kernel", "low_latency._dispatch_kernel+TRACE"):  # traced: its clock reads
+    for kernel in ("low_latency._dispatch_kernel", "low_latency._dispatch_kernel+TRACE", "low_latency._combine_kernel",
+                   "low_latency._combine_kernel+TRACE"):  # traced: their clock reads
         assert not rows[kernel]["local_memory"] and rows[kernel]["local_bytes"] in (0, None), rows[kernel]
     for primary, dependent in (("normal._send", "normal._expand"), ("normal._combine_send", "normal._combine_recv"),
                                ("ag_gemm._push", "ag_gemm._gemm")):  # the PDL pairs (primary, dependent)
