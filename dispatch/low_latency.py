@@ -75,8 +75,8 @@ _DISPATCH_COUNTERS, _COMBINE_COUNTERS = 0, 3
 class LowLatencyConfig:
     """block_h: columns per step; col_programs: column chunks per row (programs per token in send and
     sum, per (expert, source) in receive, per (source, token) in the expert-side reduce); block_rows:
-    rows per step in receive. trace: the dispatch's programs time themselves (TRACE_FIELDS; read by
-    LowLatencyEngine.dispatch_trace; tests/ll_probe.py --trace), a diagnostic: off by default."""
+    rows per step in receive. trace: the dispatch's and the combine's programs time themselves (TRACE_FIELDS; read
+    by LowLatencyEngine.trace; tests/ll_probe.py --trace), a diagnostic: off by default."""
 
     block_h: int = 2048
     col_programs: int = 4
@@ -108,9 +108,9 @@ def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
     maps: pair_row [W, M, K] then token_ranks [M, W] (LowLatencyHandle). TRACE: each program writes its times to
     trace_ptr[ticket, :] (TRACE_FIELDS)."""
     ticket = take_ticket(counter_ptr, N_SEND + N_RECV)
-    row = trace_ptr + ticket.to(tl.int64) * _TRACE_WORDS
+    trace_row = trace_ptr + ticket.to(tl.int64) * _TRACE_WORDS
     if TRACE:
-        tl.store(row, tcl.clock())
+        tl.store(trace_row, tcl.clock())
     pair_row_ptr = maps_ptr
     token_ranks_ptr = maps_ptr + W * M * K
     epoch = tl.load(epoch_ptr) + 1
@@ -132,9 +132,9 @@ def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
             signal_all(consumed_ptr + tcl.rank(), epoch, W)
             tl.store(epoch_ptr, epoch)
     if TRACE:
-        tl.store(row + 1, ready)
-        tl.store(row + 2, tcl.clock())
-        tl.store(row + 3, role)
+        tl.store(trace_row + 1, ready)
+        tl.store(trace_row + 2, tcl.clock())
+        tl.store(trace_row + 3, role)
 
 
 @triton.jit
