@@ -115,34 +115,31 @@ def _dispatch_kernel(x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
     token_ranks_ptr = maps_ptr + W * M * K
     epoch = tl.load(epoch_ptr) + 1
     if ticket < N_SEND:
-        ready = _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
-                      consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L,
-                      W, M, H, ROW, K, BLOCK_K, BLOCK_C, BLOCK_W, BLOCK_H, ALIGN, TRACE)
-        role = tl.full((), _SENT, tl.int64)
+        _send(ticket // CP, ticket % CP, ticket, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr,
+              consumed_ptr, err_ptr, pairs_ptr, pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M, H,
+              ROW, trace_row, K, BLOCK_K, BLOCK_C, BLOCK_W, BLOCK_H, ALIGN, TRACE)
         if last_of(counter_ptr + 1, N_SEND):
             _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, tcl.rank(), epoch, E_L, W, M, BLOCK_EL)
-            role = tl.full((), _PUBLISHED, tl.int64)
+            if TRACE:
+                tl.store(trace_row + 3, _PUBLISHED)
     else:
         r = ticket - N_SEND
-        ready = _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr,
-                         out_ptr, out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, K, BLOCK_W,
-                         BLOCK_R, BLOCK_H, TRACE)
-        role = tl.full((), _RECEIVED, tl.int64)
+        _receive(r // (W * CP), (r // CP) % W, r % CP, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
+                 out_w_ptr, pair_row_ptr, per_expert_ptr, epoch, CP, W, M, H, ROW, trace_row, K, BLOCK_W, BLOCK_R,
+                 BLOCK_H, TRACE)
         if last_of(counter_ptr + 2, N_RECV):
             signal_all(consumed_ptr + tcl.rank(), epoch, W)
             tl.store(epoch_ptr, epoch)
-    if TRACE:
-        tl.store(trace_row + 1, ready)
+    if TRACE:  # (each time goes to memory as it is read: no register held through the copies)
         tl.store(trace_row + 2, tcl.clock())
-        tl.store(trace_row + 3, role)
 
 
 @triton.jit
 def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, consumed_ptr, err_ptr, pairs_ptr,
-          pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M, H, ROW, K: tl.constexpr,
+          pair_row_ptr, token_ranks_ptr, epoch, N_SEND, CP, T, E, E_L, W, M, H, ROW, trace_row, K: tl.constexpr,
           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
           ALIGN: tl.constexpr, TRACE: tl.constexpr):
-    """One sender; returns tcl.clock(TRACE) once every owner of its token has consumed the previous call."""
+    """One sender. TRACE: its role and the time every owner of its token had consumed the previous call."""
     me = tcl.rank()
     # this launch's pair_row (local, read by the receivers after the counts) starts at -1: a stripe each
     n_map = W * M * K
@@ -172,7 +169,9 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
     any_owner = tl.max(tl.where(first, owner, -1), axis=0)
     if any_owner >= 0:
         tcl.wait(consumed_ptr + tl.where(first, owner, any_owner), epoch - 1, tcl.CMP_GE)
-    ready = tcl.clock(TRACE)
+    if TRACE:
+        tl.store(trace_row + 1, tcl.clock())
+        tl.store(trace_row + 3, _SENT)
     if j == 0:
         dst = ((ids % E_L) * W + me) * M + slot  # [e_l, me, slot]
         to = tl.where(ok, owner, 0)
@@ -193,7 +192,6 @@ def _send(t, j, p, x_ptr, topk_ptr, w_ptr, recv_ptr, recv_w_ptr, recv_src_ptr, c
             first_k = tl.max((sel & first).to(tl.int32), axis=0) > 0
             at_k = tl.multiple_of(tl.sum(tl.where(sel, at, 0), axis=0), ALIGN)
             tl.store(recv_ptr + at_k + cols, v, mask=tl.where(first_k, cm, False))
-    return ready
 
 
 @triton.jit
@@ -216,16 +214,18 @@ def _publish_counts(pairs_ptr, count_ptr, consumed_ptr, err_ptr, me, epoch, E_L,
 
 @triton.jit
 def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr, out_w_ptr, pair_row_ptr,
-             per_expert_ptr, epoch, CP, W, M, H, ROW, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
-             BLOCK_H: tl.constexpr, TRACE: tl.constexpr):
-    """One receiver; returns tcl.clock(TRACE) once its counts have come."""
+             per_expert_ptr, epoch, CP, W, M, H, ROW, trace_row, K: tl.constexpr, BLOCK_W: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, TRACE: tl.constexpr):
+    """One receiver. TRACE: its role and the time its counts had come."""
     base = epoch * (M + 1)
     # the counts of sources up to src only (the rows of lower sources come first in the expert's block), in
     # one wait (lanes past src repeat src's word): a program starts copying once they have published, not the
     # slowest rank; the last source's programs wait for every count and write the expert's total
     rr = tl.arange(0, BLOCK_W)
     n = tcl.wait(count_ptr + el * W + tl.minimum(rr, src), base, tcl.CMP_GE) - base
-    ready = tcl.clock(TRACE)
+    if TRACE:
+        tl.store(trace_row + 1, tcl.clock())
+        tl.store(trace_row + 3, _RECEIVED)
     offset = tl.sum(tl.where(rr < src, n, 0), axis=0)
     count = tl.sum(tl.where(rr == src, n, 0), axis=0)
     if (src == W - 1) & (j == 0):
@@ -245,7 +245,6 @@ def _receive(el, src, j, recv_ptr, recv_w_ptr, recv_src_ptr, count_ptr, out_ptr,
             m = im[:, None] & (cols < H)[None, :]
             v = tl.load(recv_ptr + row[:, None] * ROW + cols[None, :], mask=m)
             tl.store(out_ptr + (first + ii)[:, None] * H + cols[None, :], v, mask=m)
-    return ready
 
 
 @tilecomm.jit(do_not_specialize=["T", "N_BACK", "N_SUM"])
@@ -267,8 +266,9 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
         s = (me + 1 + ticket // (M * CP)) % W  # sources from me + 1 on: the ranks send to different ranks at a time
         t = (ticket // CP) % M
         tcl.wait(consumed_ptr + s, epoch - 1, tcl.CMP_GE)  # s has summed my previous partial rows
-        ready = tcl.clock(TRACE)
-        role = tl.full((), _SENT, tl.int64)
+        if TRACE:
+            tl.store(trace_row + 1, tcl.clock())
+            tl.store(trace_row + 3, _SENT)
         kk = tl.arange(0, BLOCK_K)
         rows = tl.load(pair_row_ptr + (s.to(tl.int64) * M + t) * K + kk, mask=kk < K, other=-1)
         if tl.max(rows, axis=0) >= 0:
@@ -287,13 +287,15 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
                 tl.store(back_ptr + at + cols, acc.to(back_ptr.dtype.element_ty), mask=cm)
         if last_of(counter_ptr + 1, N_BACK):
             signal_all(ready_ptr + me, epoch, W)
-            role = tl.full((), _PUBLISHED, tl.int64)
+            if TRACE:
+                tl.store(trace_row + 3, _PUBLISHED)
     else:
         p = ticket - N_BACK
         t = p // CP
         wait_all(ready_ptr, epoch, W)
-        ready = tcl.clock(TRACE)
-        role = tl.full((), _RECEIVED, tl.int64)
+        if TRACE:
+            tl.store(trace_row + 1, tcl.clock())
+            tl.store(trace_row + 3, _RECEIVED)
         ww = tl.arange(0, BLOCK_W)
         sent = tl.load(token_ranks_ptr + t.to(tl.int64) * W + ww, mask=tl.where(t < T, ww < W, False), other=0)
         for h in range((p % CP) * BLOCK_H, H, CP * BLOCK_H):
@@ -309,9 +311,7 @@ def _combine_kernel(y_ptr, w_ptr, maps_ptr, back_ptr, out_ptr, ready_ptr, consum
             signal_all(consumed_ptr + me, epoch, W)
             tl.store(epoch_ptr + 1, epoch)
     if TRACE:
-        tl.store(trace_row + 1, ready)
         tl.store(trace_row + 2, tcl.clock())
-        tl.store(trace_row + 3, role)
 
 
 # ---- host side -------------------------------------------------------------------------------------
