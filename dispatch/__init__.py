@@ -9,7 +9,7 @@ torch.distributed.all_to_all_single + unpermute), bit-identical, and a drop-in f
 from .dispatcher import Dispatcher
 from .handle import DispatchHandle, DispatchResult
 from .layout import Layout, compute_layout, layout_reference
-from .low_latency import LowLatencyHandle
+from .low_latency_engine import LowLatencyHandle
 
 __all__ = ["Dispatcher", "DispatchHandle", "DispatchResult", "Layout", "LowLatencyHandle", "compute_layout",
            "layout_reference"]

@@ -49,7 +49,7 @@ from tilecomm.errors import PeerMismatchError
 
 from . import fp8
 from .handle import DispatchHandle, DispatchResult
-from .low_latency import LowLatencyEngine, LowLatencyHandle
+from .low_latency_engine import LowLatencyEngine, LowLatencyHandle
 from .normal_engine import FusedEngine
 from .reference import ReferenceEngine
 
@@ -157,7 +157,7 @@ class Dispatcher:
 
     @property
     def buffers(self):
-        """The symmetric state this Dispatcher uses (normal_engine.FusedEngine / low_latency.LowLatencyEngine; None
+        """The symmetric state this Dispatcher uses (normal_engine.FusedEngine / low_latency_engine.LowLatencyEngine; None
         for backend 'nccl'). Pass it as `buffers=` to another Dispatcher of the same shape to share it: the
         MoE layers of a model dispatch one after another, so one set of buffers serves them all (calls of
         Dispatchers sharing buffers must not overlap, e.g. on two async_op streams)."""

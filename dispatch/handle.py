@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 if TYPE_CHECKING:
-    from .low_latency import LowLatencyHandle
+    from .low_latency_engine import LowLatencyHandle
 
 
 @dataclass

@@ -235,7 +235,7 @@ if has tests; then
     echo "== GPU tests, transport $transport (ranks share GPUs: $share)"
     TILECOMM_TEST_HEAP_BYTES=${TEST_HEAP:-64MiB} TILECOMM_TEST_BACKEND=cuda TILECOMM_TEST_SHARE_GPUS=$share TILECOMM_TRANSPORT=$transport timeout -s INT -k 30 "${TEST_TIMEOUT:-400}" \
       python3 -m pytest -v ${TEST_STOP--x} -p no:cacheprovider --timeout "${TEST_CASE_TIMEOUT:-150}" ${TEST_K:+-k "$TEST_K"} \
-      ${TEST_WORKERS:+-n $TEST_WORKERS --dist ${TEST_DIST:-loadfile}} ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_collective_state.py tests/test_dispatch.py \
+      ${TEST_WORKERS:+-n $TEST_WORKERS --dist ${TEST_DIST:-loadfile}} ${TEST_FILES:-tests/test_language.py tests/test_collectives.py tests/test_collective_state.py tests/test_dispatch.py tests/test_low_latency.py \
       tests/test_overlap.py tests/test_overlap_groups.py tests/test_tensor_parallel.py tests/test_grouped_mm.py tests/test_fused_moe.py \
       tests/test_moe_layer.py} 2>&1 | tee -a "$OUT/tests_$transport.log" \
       | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -25

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from test_dispatch import TOKENS, dispatch_combine_body, low_latency_body
+from test_dispatch import TOKENS, dispatch_combine_body
+from test_low_latency import low_latency_body
 from tilecomm.dispatch import low_latency as ll
 from tilecomm.dispatch.normal import NormalConfig
 
